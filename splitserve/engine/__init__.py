@@ -1,0 +1,1 @@
+"""One inference engine: requests, token-budget scheduler, runner, sampling, async wrapper."""

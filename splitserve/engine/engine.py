@@ -1,0 +1,241 @@
+"""One inference engine: model + paged KV cache + scheduler, driven one step at a time."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import NamedTuple
+
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.output import Detokenizer, RequestOutput
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.errors import InvalidRequestError, KVImportError
+from splitserve.kv_cache import BlockHash, KVCacheManager, root_hash
+from splitserve.model.fingerprint import model_fingerprint
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.loader import open_checkpoint
+from splitserve.model.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+
+class KVRange(NamedTuple):
+    """A request's KV blocks covering tokens [start_token, end_token)."""
+    block_ids: list[int]
+    block_hashes: list[BlockHash]  # hashes of the full blocks in block_ids
+    start_token: int
+    end_token: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        ckpt = open_checkpoint(config.model)
+        self.spec, self.tokenizer = ckpt.spec, ckpt.tokenizer
+        model = build_model(self.spec)
+        assert isinstance(model, LlamaForCausalLM)
+        model.load_weights(ckpt.iter_weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+
+        self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"{self.spec.max_position_embeddings} positions; lower it")
+        cache = config.cache
+        self.block_size = cache.block_size
+        bytes_per_block = (2 * self.spec.num_layers * cache.block_size * self.spec.num_kv_heads
+                           * self.spec.head_dim * self.dtype.itemsize)
+        num_blocks = cache.num_blocks or max(2, cache.kv_cache_memory_bytes // bytes_per_block)
+        # Zeroed so padded reads in attention never meet NaN garbage.
+        self.kv_cache = torch.zeros(
+            (self.spec.num_layers, 2, num_blocks, cache.block_size, self.spec.num_kv_heads,
+             self.spec.head_dim), dtype=self.dtype, device=self.device)
+        self.fingerprint = model_fingerprint(self.spec, str(self.dtype).removeprefix("torch."),
+                                             cache.block_size, ckpt.weights_digest)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size, self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self._roots: dict[str | None, BlockHash] = {}
+        self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
+        self.num_computed_tokens_total = 0  # tokens run through the model (for tests/metrics)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, %s on %s", ckpt.path,
+                    num_blocks, cache.block_size, self.dtype, self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    *, namespace: str | None = None, hold_kv: bool = False,
+                    await_kv: bool = False) -> Request:
+        """Queues a request. `await_kv`: its prompt KV will be imported (WAITING_FOR_KV);
+        `hold_kv`: keep its blocks after it finishes until `release_kv` (for export)."""
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      field="request_id")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids)
+        room = min(self.max_model_len, self.num_blocks * self.block_size) - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        req = Request(
+            request_id=request_id, prompt_token_ids=token_ids, params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(63),
+            cache_root=self._root(namespace), max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
+            status=RequestStatus.WAITING_FOR_KV if await_kv else RequestStatus.WAITING,
+            hold_kv=hold_kv)
+        req.update_block_hashes(self.block_size)
+        self.scheduler.add(req)
+        self.detokenizer.add(request_id, params.logprobs is not None)
+        return req
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
+        limit = min(self.max_model_len, self.num_blocks * self.block_size)
+        if n >= limit:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, leaving no room to generate within the limit of "
+                f"{limit} tokens (max_model_len={self.max_model_len}, KV pool "
+                f"{self.num_blocks * self.block_size} tokens); shorten the prompt or raise "
+                "--max-model-len / the KV cache size", field="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.spec.vocab_size})", field="prompt")
+
+    def _root(self, namespace: str | None) -> BlockHash:
+        if namespace not in self._roots:
+            self._roots[namespace] = root_hash(self.fingerprint, namespace)
+        return self._roots[namespace]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a live request (frees its blocks); a no-op for unknown or finished ids."""
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return self.detokenizer.update(req, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        updated = self.scheduler.update(batch, result)
+        return self._outputs(updated, result.sampled, result.num_computed_tokens)
+
+    def _outputs(self, updated: list[Request], sampled: dict, num_computed: int
+                 ) -> list[RequestOutput]:
+        self.num_computed_tokens_total += num_computed
+        outputs = []
+        for req in updated:
+            out = self.detokenizer.update(req, sampled.get(req.request_id))
+            if out.finished and not req.is_finished:  # a stop string matched
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.hold_kv and out.finished:
+                self._held[req.request_id] = req
+            outputs.append(out)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return outputs
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    # -- KV connector: what workers use to move KV between engines ------------------------------
+    def export_kv(self, request_id: str) -> KVRange:
+        """The prompt KV of a finished request held with hold_kv=True."""
+        req = self._held.get(request_id)
+        if req is None:
+            raise KVImportError(f"request {request_id!r} holds no exportable KV")
+        num_full = req.num_prompt_tokens // self.block_size
+        return KVRange(self.kv.block_table(request_id)[:_blocks(req.num_prompt_tokens,
+                                                                  self.block_size)],
+                       req.block_hashes[:num_full], 0, req.num_prompt_tokens)
+
+    def release_kv(self, request_id: str) -> None:
+        """Frees a held request's blocks; idempotent."""
+        if self._held.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+
+    def kv_import_target(self, request_id: str) -> KVRange | None:
+        """Blocks reserved for a WAITING_FOR_KV request's prompt, and the token range to fill
+        (a local prefix hit is not transferred again); None until blocks are reserved."""
+        req = self.scheduler.awaiting_kv.get(request_id)
+        if req is None:
+            raise KVImportError(f"request {request_id!r} is not waiting for KV")
+        table = self.kv.block_table(request_id)
+        if not table:
+            self.scheduler.reserve_import_blocks()
+            table = self.kv.block_table(request_id)
+            if not table:
+                return None
+        first = req.num_computed_tokens // self.block_size
+        return KVRange(table[first:], req.block_hashes[first:], req.num_computed_tokens,
+                       req.num_prompt_tokens)
+
+    def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """[2, len(block_ids), block_size, num_kv_heads, head_dim] copy of one layer's blocks."""
+        return self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)]
+
+    def write_kv_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)] = kv.to(
+            self.kv_cache.device, self.kv_cache.dtype)
+
+    def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The imported prompt KV is complete and verified: decode from the first token on."""
+        req = self.scheduler.awaiting_kv.get(request_id)
+        if req is None or not self.kv.block_table(request_id):
+            raise KVImportError(f"request {request_id!r} has no reserved KV blocks to commit")
+        self.scheduler.commit_imported(req, first_token_id)
+        return self._outputs([req], {}, 0)[0]
+
+    def fail_kv(self, request_id: str, recompute: bool) -> None:
+        """The import failed: release the reserved blocks, then prefill locally or abort."""
+        req = self.scheduler.awaiting_kv.pop(request_id, None)
+        if req is None:
+            return
+        self.kv.free(request_id)
+        req.num_computed_tokens = 0
+        if recompute:
+            req.status = RequestStatus.WAITING
+            self.scheduler.waiting.append(req)
+        else:
+            self.scheduler.requests.pop(request_id, None)
+            req.status = RequestStatus.FINISHED_ERROR
+            self.detokenizer.remove(request_id)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

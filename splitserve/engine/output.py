@@ -1,0 +1,99 @@
+"""Request outputs and the detokenizer that turns sampled tokens into text and text stops."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.batch import SampledToken
+from splitserve.engine.request import FINISH_REASONS, Request
+from splitserve.model.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after a step. `text`/`token_ids` are cumulative;
+    `delta_text`/`delta_token_ids` are what is new since the previous output."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _TextState:
+    text: str = ""  # decoded output, cut at a stop string once one matched
+    num_tokens_sent: int = 0
+    num_chars_sent: int = 0
+    logprobs: list[SampledToken] | None = None
+
+
+class Detokenizer:
+    """Incremental text for each live request; finds stop strings.
+
+    Text streamed to a client never contains an incomplete UTF-8 character (held back while
+    the decode ends in U+FFFD) nor a prefix of a stop string that may still complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, request_id: str, want_logprobs: bool) -> None:
+        self._states[request_id] = _TextState(logprobs=[] if want_logprobs else None)
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def update(self, req: Request, sampled: SampledToken | None) -> RequestOutput:
+        """Decodes req's output; sets req.stop_reason and returns a stop match via `stop_hit`."""
+        st = self._states[req.request_id]
+        if sampled is not None and st.logprobs is not None:
+            st.logprobs.append(sampled)
+        params = req.params
+        text = self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=params.skip_special_tokens)
+        stop_hit = None
+        if params.stop:
+            stop_hit = _find_stop(text, params.stop, len(st.text))
+            if stop_hit is not None:
+                idx, stop = stop_hit
+                text = text[:idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                req.stop_reason = stop
+        st.text = text
+        finished = req.is_finished or stop_hit is not None
+        sendable = len(text)
+        if not finished:
+            if text.endswith("\ufffd"):
+                sendable = len(text.rstrip("\ufffd"))
+            if params.stop:
+                sendable = min(sendable, max(0, len(text) - max(map(len, params.stop)) + 1))
+        sendable = max(sendable, st.num_chars_sent)
+        out = RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=text, finished=finished,
+            finish_reason=FINISH_REASONS.get(req.status) if req.is_finished else
+            ("stop" if stop_hit else None),
+            stop_reason=req.stop_reason,
+            delta_text=text[st.num_chars_sent:sendable],
+            delta_token_ids=req.output_token_ids[st.num_tokens_sent:],
+            logprobs=st.logprobs, num_cached_tokens=req.num_cached_tokens)
+        st.num_chars_sent, st.num_tokens_sent = sendable, req.num_output_tokens
+        if finished:
+            self.remove(req.request_id)
+        return out
+
+
+def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in the new part of text."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, old_len - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

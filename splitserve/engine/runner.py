@@ -1,0 +1,86 @@
+"""Model runner: turns a ScheduledBatch into tensors, runs the forward pass, samples."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from splitserve.engine.batch import RunnerOutput, ScheduledBatch, ScheduledSeq
+from splitserve.engine.sampler import sample
+from splitserve.model.attention import AttentionMetadata, PrefillSlice, forward_context
+from splitserve.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch,
+                on_layer_end: Callable[[int], None] | None = None) -> RunnerOutput:
+        if not batch.seqs:
+            return RunnerOutput()
+        # Decodes (one query token) first, then prefill chunks: the layout paged_attention expects.
+        seqs = sorted(batch.seqs, key=lambda s: len(s.token_ids) != 1)
+        meta, input_ids, positions = self._prepare(seqs)
+        meta.on_layer_end = on_layer_end
+        sampled_seqs = [s for s in seqs if s.sample is not None]
+        ends, offset = [], 0
+        for s in seqs:
+            offset += len(s.token_ids)
+            if s.sample is not None:
+                ends.append(offset - 1)
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        result = RunnerOutput(num_computed_tokens=offset)
+        if sampled_seqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+            tokens = sample(logits, [s.sample for s in sampled_seqs])  # type: ignore[misc]
+            result.sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens)}
+        return result
+
+    def _prepare(self, seqs: list[ScheduledSeq]
+                 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        bs, dev = self.block_size, self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in seqs:
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + len(s.token_ids))
+            positions.extend(pos)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        nd = len(decodes)
+        decode_tables = decode_mask = None
+        if nd:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            decode_tables = torch.tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
+                dtype=torch.long, device=dev)
+            ctx_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
+            key_pos = torch.arange(max_blocks * bs, device=dev)
+            decode_mask = (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+        prefills: list[PrefillSlice] = []
+        start = nd
+        for s in seqs[nd:]:
+            q_len = len(s.token_ids)
+            mask = None
+            if s.start_pos:
+                ctx = s.start_pos + q_len
+                q_pos = torch.arange(s.start_pos, ctx, device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+            table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
+            prefills.append(PrefillSlice(start, start + q_len, s.start_pos, table, mask))
+            start += q_len
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=nd, decode_block_tables=decode_tables, decode_mask=decode_mask,
+            prefills=prefills)
+        return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev))

@@ -1,0 +1,188 @@
+"""Token-budget scheduler (vLLM-v1 style).
+
+Each request's `num_computed_tokens` catches up with `num_tokens`; each step hands out
+at most `max_num_batched_tokens`. Running requests go first (a decode takes one token, a
+long prompt takes what the budget leaves: chunked prefill), then waiting ones in arrival
+order. When blocks run out the newest running request is preempted and will recompute.
+Prefix hits and imported KV just start a request with some tokens already computed.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from splitserve.config import SchedulerConfig
+from splitserve.engine.batch import RunnerOutput, SampleSpec, ScheduledBatch, ScheduledSeq
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.kv_cache import KVCacheManager
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests whose prompt KV will be imported; blocks are reserved in arrival order.
+        self.awaiting_kv: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+
+    # -- admission and removal ------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if req.status == RequestStatus.WAITING_FOR_KV:
+            self.awaiting_kv[req.request_id] = req
+        else:
+            self.waiting.append(req)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (abort, stop string, error); frees its blocks unless held."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.awaiting_kv.pop(request_id, None)
+        self._retire(req)
+        return req
+
+    def _retire(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        if not (req.hold_kv and req.status != RequestStatus.FINISHED_ABORTED):
+            self.kv.free(req.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        self.reserve_import_blocks()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                batch.seqs.append(self._scheduled_seq(req, num_new))
+                budget -= num_new
+                i += 1
+        if batch.preempted_ids:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.computed_prefix(req.block_hashes, req.num_tokens)
+            num_computed = len(hit) * self.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if self.kv.allocate(req.request_id, num_computed + num_new, hit) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.seqs.append(self._scheduled_seq(req, num_new))
+            budget -= num_new
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def reserve_import_blocks(self) -> None:
+        """Pre-allocates prompt blocks for requests waiting for KV, reusing local prefix hits."""
+        for req in self.awaiting_kv.values():
+            if self.kv.block_table(req.request_id):
+                continue
+            hit = self.kv.computed_prefix(req.block_hashes, req.num_prompt_tokens)
+            if self.kv.allocate(req.request_id, req.num_prompt_tokens, hit) is None:
+                return  # keep arrival order: later ones wait too
+            req.num_computed_tokens = len(hit) * self.block_size
+            req.num_cached_tokens = req.num_computed_tokens
+
+    def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        reaches_end = start + num_new == req.num_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + num_new],
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=self._sample_spec(req) if reaches_end else None)
+
+    def _sample_spec(self, req: Request) -> SampleSpec:
+        params = req.params
+        banned: list[int] = []
+        if req.num_output_tokens < params.min_tokens:
+            banned = sorted({*params.stop_token_ids,
+                             *([] if params.ignore_eos else req.eos_token_ids)})
+        return SampleSpec(params=params, seed=req.seed, output_pos=req.num_output_tokens,
+                          prompt_token_ids=req.prompt_token_ids,
+                          output_token_ids=req.output_token_ids, banned_token_ids=banned)
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, result: RunnerOutput) -> list[Request]:
+        """Advances the scheduled requests; returns those that got a token (some finished)."""
+        updated: list[Request] = []
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
+                                 req.cache_root)
+            sampled = result.sampled.get(seq.request_id)
+            if sampled is None:
+                continue
+            self.append_token(req, sampled.token_id)
+            updated.append(req)
+        return updated
+
+    def append_token(self, req: Request, token_id: int) -> None:
+        """Appends a sampled token and applies the token-level stop conditions."""
+        req.append_output_token(token_id, self.block_size)
+        params = req.params
+        if token_id in params.stop_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        elif not params.ignore_eos and token_id in req.eos_token_ids \
+                and req.num_output_tokens > params.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+        if req.is_finished:
+            if req in self.running:
+                self.running.remove(req)
+            self._retire(req)
+
+    # -- imported KV --------------------------------------------------------------------------
+    def commit_imported(self, req: Request, first_token_id: int) -> None:
+        """The prompt's KV is in place: the request runs from its first output token on."""
+        del self.awaiting_kv[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
+                             req.cache_root)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.append_token(req, first_token_id)
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING, req
+            assert req.num_computed_tokens <= req.num_tokens, req
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
+            assert not self.kv.block_table(req.request_id), f"{req.request_id} waits holding blocks"

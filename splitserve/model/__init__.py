@@ -1,0 +1,1 @@
+"""Model math and checkpoint loading: Llama-family decoder, safetensors/GGUF, tokenizer."""

@@ -1,0 +1,111 @@
+"""Paged attention over the engine's block-structured KV cache.
+
+The runner describes one step's batch in an `AttentionMetadata` and enters
+`forward_context(meta)`; model code keeps the signature `forward(input_ids, positions)`
+and each attention layer reads the metadata from the context (the only global).
+
+Token layout of a step (built by the runner):
+
+    [ d0 d1 ... d{D-1} | p0 p0 p0 ... | p1 p1 ... ]
+      one token per       prefill chunks, one contiguous
+      decoding sequence   slice per sequence
+
+KV cache layout, one tensor for the whole model:
+    kv_cache: [num_layers, 2 (K,V), num_blocks, block_size, num_kv_heads, head_dim]
+Token t of a sequence lives in block `block_table[t // block_size]` at offset
+`t % block_size`, i.e. flat slot `block_id * block_size + offset`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSlice:
+    """One sequence's prefill chunk: query tokens [start, end) of the step's flat batch."""
+    start: int
+    end: int
+    # Tokens of this sequence already in the cache before this chunk (prefix hit, earlier
+    # chunks, imported KV). 0 means plain causal attention over the chunk itself.
+    num_cached: int
+    # [num_blocks_for_context] block ids covering num_cached + (end - start) tokens
+    block_table: torch.Tensor
+    # [end - start, num_cached + end - start] True where the key is visible; None if num_cached == 0
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] visible keys
+    prefills: list[PrefillSlice]
+    # Called with the layer index after each layer wrote its KV (layer-wise KV streaming).
+    on_layer_end: Callable[[int], None] | None = None
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _current
+    prev, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    assert _current is not None, "model forward must run inside forward_context(meta)"
+    return _current
+
+
+def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> torch.Tensor:
+    """Writes this step's k, v into the cache, then attends every query to its context.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    meta = get_forward_context()
+    k_cache, v_cache = meta.kv_cache[layer_idx]  # each [num_blocks, block_size, kv_heads, head_dim]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        tables = meta.decode_block_tables
+        # [nd, max_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        query = q[:nd].unsqueeze(2)  # [nd, num_heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
+                                           enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for p in meta.prefills:
+        query = q[p.start:p.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        if p.num_cached == 0:
+            keys = k[p.start:p.end].transpose(0, 1)
+            values = v[p.start:p.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                               enable_gqa=True)
+        else:
+            ctx = p.num_cached + (p.end - p.start)
+            keys = k_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
+            values = v_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask,
+                                               enable_gqa=True)
+        out[p.start:p.end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM/SmolLM2; Qwen2 via attention_bias).
+
+Module names follow the HF checkpoint so loading is a name mapping; q/k/v and gate/up
+are fused into one projection each (fewer, larger GEMMs), filled by `load_weights`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from splitserve.errors import ModelLoadError
+from splitserve.model.attention import get_forward_context, paged_attention
+from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from splitserve.model.spec import ModelSpec
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
+                                      spec.rope_theta, spec.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        on_layer_end = get_forward_context().on_layer_end
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer(positions, x, self.rotary)
+            if on_layer_end is not None:
+                on_layer_end(i)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for a flat batch; needs a forward_context."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, vocab] for the n positions that will be sampled."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be set."""
+        spec = self.spec
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+                 "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, spec.intermediate_size),
+                 "up_proj": ("gate_up_proj", spec.intermediate_size, spec.intermediate_size)}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # Parameter name -> how many rows were filled; fused ones fill in parts.
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if spec.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            parts = name.split(".")
+            target_name, offset = name, 0
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, offset, _ = fused[parts[-2]]
+                target_name = ".".join(parts[:-2] + [target, parts[-1]])
+            param = params.get(target_name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the "
+                                     f"{spec.architecture} model; is the config right?")
+            dest = param.data[offset:offset + tensor.shape[0]] if offset or target_name != name \
+                else param.data
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape "
+                                     f"{tuple(tensor.shape)}, the model expects "
+                                     f"{tuple(dest.shape)}; config and weights disagree")
+            dest.copy_(tensor)
+            filled[target_name] = filled.get(target_name, 0) + tensor.shape[0]
+        tied = {"lm_head.weight"} if spec.tie_word_embeddings else set()
+        missing = [n for n, p in params.items()
+                   if n not in tied and filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks tensors for {missing[:5]}"
+                                 f"{' ...' if len(missing) > 5 else ''}; the file is incomplete")

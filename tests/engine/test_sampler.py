@@ -1,0 +1,95 @@
+"""Sampling functions: exact values on small hand-made distributions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.batch import SampleSpec
+from splitserve.engine.sampler import apply_penalties, filter_probs, position_seed, sample
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.errors import InvalidRequestError
+
+
+def spec(params: SamplingParams, seed: int = 7, pos: int = 0, prompt: list[int] | None = None,
+         output: list[int] | None = None, banned: list[int] | None = None) -> SampleSpec:
+    return SampleSpec(params, seed, pos, prompt or [], output or [], banned or [])
+
+
+def test_greedy_picks_argmax_and_respects_banned_ids() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0]])
+    assert sample(logits, [spec(SamplingParams(temperature=0))])[0].token_id == 1
+    assert sample(logits, [spec(SamplingParams(temperature=0), banned=[1])])[0].token_id == 2
+
+
+def test_top_k_top_p_min_p_filters() -> None:
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    assert filter_probs(probs, 2, 1.0, 0.0).tolist() == pytest.approx([0.5, 0.2, 0, 0, 0])
+    # Nucleus 0.6: 0.5 (mass above 0) and 0.2 (mass above 0.5 < 0.6) stay.
+    assert filter_probs(probs, 0, 0.6, 0.0).tolist() == pytest.approx([0.5, 0.2, 0, 0, 0])
+    # min_p 0.3 of max 0.5 = 0.15 threshold.
+    assert filter_probs(probs, 0, 1.0, 0.3).tolist() == pytest.approx([0.5, 0.2, 0.15, 0, 0])
+
+
+def test_penalties_follow_vllm_semantics() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits.clone(), spec(p, prompt=[0], output=[1]))
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits.clone(), spec(p, prompt=[3], output=[2, 2, 0]))
+    assert out.tolist() == [2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]
+
+
+def test_seeded_sampling_is_a_pure_function_of_seed_and_position() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 500)
+    p = SamplingParams(temperature=1.0)
+    draws = [sample(logits, [spec(p, seed=3, pos=i)])[0].token_id for i in range(20)]
+    again = [sample(logits, [spec(p, seed=3, pos=i)])[0].token_id for i in range(20)]
+    other = [sample(logits, [spec(p, seed=4, pos=i)])[0].token_id for i in range(20)]
+    assert draws == again
+    assert draws != other
+    assert len(set(draws)) > 5  # positions get different noise
+    # Batch composition does not matter: the same row in a batch of 3 draws the same token.
+    batch = torch.cat([torch.randn(1, 500), logits, torch.randn(1, 500)])
+    out = sample(batch, [spec(p, seed=9), spec(p, seed=3, pos=5), spec(p, seed=9)])
+    assert out[1].token_id == draws[5]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    p = SamplingParams(temperature=1.0)
+    counts = [0, 0, 0]
+    for i in range(2000):
+        counts[sample(logits, [spec(p, seed=i)])[0].token_id] += 1
+    assert counts[0] / 2000 == pytest.approx(0.7, abs=0.05)
+    assert counts[2] / 2000 == pytest.approx(0.1, abs=0.03)
+
+
+def test_logprobs_are_raw_model_logprobs() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    tok = sample(logits, [spec(SamplingParams(temperature=0, logprobs=2))])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert tok.token_id == 2
+    assert tok.logprob == pytest.approx(float(expected[2]))
+    assert [t for t, _ in tok.top_logprobs] == [2, 1]
+
+
+def test_position_seed_fits_int64_and_differs() -> None:
+    seeds = {position_seed(s, p) for s in (0, 1, 2**62) for p in range(50)}
+    assert len(seeds) == 150
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"min_p": 1.5}, "min_p"), ({"n": 2}, "n"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+    assert field.split("_")[0] in str(err.value)
