@@ -4,11 +4,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from splitserve.config import EngineConfig
+from splitserve.engine.batch import ScheduledBatch
 from splitserve.engine.output import Detokenizer, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
@@ -82,6 +84,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self._roots: dict[str | None, BlockHash] = {}
+        # Called after each layer of a step wrote its KV: (layer index, the step's batch).
+        # KV senders use it to stream layer i while layer i+1 computes.
+        self.layer_listener: Callable[[int, ScheduledBatch], None] | None = None
         self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
         self.num_computed_tokens_total = 0  # tokens run through the model (for tests/metrics)
         logger.info("engine ready: %s, %d KV blocks of %d tokens, %s on %s", ckpt.path,
@@ -151,9 +156,13 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        result = self.runner.execute(batch)
+        result = self.runner.execute(batch, self._layer_hook(batch))
         updated = self.scheduler.update(batch, result)
         return self._outputs(updated, result.sampled, result.num_computed_tokens)
+
+    def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        listener = self.layer_listener
+        return None if listener is None else (lambda layer: listener(layer, batch))
 
     def _outputs(self, updated: list[Request], sampled: dict, num_computed: int
                  ) -> list[RequestOutput]:

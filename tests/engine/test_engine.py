@@ -167,7 +167,7 @@ def test_abort_frees_blocks(make_llm) -> None:
 def test_bad_prompts_raise_typed_errors(make_llm) -> None:
     llm = make_llm(max_model_len=64)
     with pytest.raises(InvalidRequestError, match="empty"):
-        llm.generate([], GREEDY)
+        llm.generate([[]], GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate("", GREEDY)
     with pytest.raises(InvalidRequestError, match="max-model-len") as err:
