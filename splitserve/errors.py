@@ -24,3 +24,45 @@ class EngineDeadError(SplitserveError):
 
 class KVImportError(SplitserveError):
     """KV offered to the engine does not fit the request it was meant for."""
+
+
+class KVTransferError(SplitserveError):
+    """A KV transfer failed; nothing it carried was committed (DESIGN.md 4.3, 7)."""
+
+
+class FingerprintMismatch(KVTransferError):
+    """The KV comes from an engine with another model fingerprint (model, KV dtype, block
+    size, weights or KV format); it can never be used by this engine."""
+
+
+class HeaderMismatch(KVTransferError):
+    """The blob's header does not describe the import the receiver expects (other request,
+    namespace, token range, block hashes or layout)."""
+
+
+class BlobFormatError(KVTransferError):
+    """The byte stream is not a well-formed KV blob of a supported format version."""
+
+
+class ChecksumMismatch(KVTransferError):
+    """A frame's bytes do not match their checksum: corrupted in transit or in memory."""
+
+
+class TruncatedTransfer(KVTransferError):
+    """The stream ended (peer closed or died) before the transfer was complete."""
+
+
+class TransferTimeout(KVTransferError):
+    """A transfer stage passed its deadline (or the sender's lease expired)."""
+
+
+class TransferRejected(KVTransferError):
+    """The receiver refused the transfer; `remote_kind` names the receiver's error class."""
+
+    def __init__(self, message: str, remote_kind: str | None = None) -> None:
+        super().__init__(message)
+        self.remote_kind = remote_kind
+
+
+class TransferCancelled(KVTransferError):
+    """The transfer was cancelled locally (request aborted, endpoint closed)."""

@@ -57,8 +57,11 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
+            if not finished and self._dead is None:
+                self._submit(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         out = await self.call(lambda e: e.abort(request_id))

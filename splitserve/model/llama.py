@@ -12,7 +12,7 @@ from torch import nn
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.attention import get_forward_context, paged_attention
-from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from splitserve.model.spec import ModelSpec
 
 
@@ -29,13 +29,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(self.layer_idx, q, k, v)
         return self.o_proj(out.flatten(1))
 
@@ -48,9 +47,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                rotary: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -66,8 +64,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         on_layer_end = get_forward_context().on_layer_end
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary.table(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, self.rotary)
+            x = layer(x, rope)
             if on_layer_end is not None:
                 on_layer_end(i)
         return self.norm(x)

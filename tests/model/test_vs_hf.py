@@ -2,7 +2,8 @@
 
 Greedy decoding meets near-ties (top-2 margin < 0.01) on some prompts; two correct fp32
 implementations may diverge there. Each comparison therefore runs up to and including the
-reference's first near-tie position, and the test requires that most tokens were compared.
+reference's first near-tie position (margin 0.01 for the real model; 1e-4 for the
+tiny random ones, whose logits are small and flat), and the test requires that most tokens were compared.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(hf, prompt_ids: list[int], max_new: int) -> tuple[list[int], int]:
+def hf_greedy(hf, prompt_ids: list[int], max_new: int, near_tie: float
+              ) -> tuple[list[int], int]:
     """Reference tokens and the number of leading positions that are safe to compare."""
     out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
                       output_scores=True, return_dict_in_generate=True, pad_token_id=0)
@@ -33,7 +35,7 @@ def hf_greedy(hf, prompt_ids: list[int], max_new: int) -> tuple[list[int], int]:
     safe = len(tokens)
     for i, scores in enumerate(out.scores):
         top2 = scores[0].float().topk(2).values
-        if float(top2[0] - top2[1]) < NEAR_TIE:
+        if float(top2[0] - top2[1]) < near_tie:
             safe = i + 1  # the tie position itself may still agree; nothing after it counts
             break
     return tokens, safe
@@ -53,12 +55,13 @@ def last_logits(llm: LLM, prompt_ids: list[int]) -> torch.Tensor:
         return engine.model.compute_logits(hidden[-1:])[0]
 
 
-def compare(llm: LLM, hf, prompts: list[list[int]], max_new: int) -> None:
+def compare(llm: LLM, hf, prompts: list[list[int]], max_new: int,
+            near_tie: float = NEAR_TIE) -> None:
     # Both stop at EOS (HF's generate does), so the reference may be shorter than max_new.
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new))
     compared = total = 0
     for p, out in zip(prompts, ours):
-        ref, safe = hf_greedy(hf, p, max_new)
+        ref, safe = hf_greedy(hf, p, max_new, near_tie)
         assert out.token_ids[:safe] == ref[:safe], f"prompt {p[:8]}... diverged before a near-tie"
         if safe == len(ref):
             assert out.token_ids == ref
@@ -89,4 +92,6 @@ def test_tiny_random_models_match_hf(arch: str, tiny_llama_dir: str, tiny_qwen2_
     llm = LLM(path, dtype="float32", num_blocks=128, debug_invariants=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
-    compare(llm, hf, prompts, max_new=32)
+    # Random weights give small, flat logits (|logit| < 1): near-ties are far more common,
+    # and fp32 implementations agree to ~1e-6, so a tighter tie margin is the fair cut.
+    compare(llm, hf, prompts, max_new=32, near_tie=1e-4)

@@ -1,0 +1,105 @@
+"""Session fixtures shared by every test: the default GGUF, tiny random HF checkpoints, and the
+dense fp32 HF reference of the default model."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from splitserve.model.default import default_model_path as _default_model_path
+from splitserve.model.gguf_file import GGUFFile
+from splitserve.model.tokenizer import Tokenizer
+
+torch.set_num_threads(2)
+
+# Shared by tiny_llama_dir and tiny_qwen2_dir; the vocab size is the default tokenizer's (49152).
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """Path of the default SmolLM2-135M-Instruct Q4_1 GGUF."""
+    return _default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path: str) -> Tokenizer:
+    """The default model's tokenizer (built from the GGUF metadata)."""
+    return Tokenizer.from_gguf_metadata(GGUFFile.open(default_model_path).metadata)
+
+
+def _rope(theta: float) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def _write_tiny(model_cls: Any, config: Any, path: Path, tokenizer: Tokenizer) -> str:
+    torch.manual_seed(0)
+    model = model_cls(config)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Tokenizer) -> str:
+    """Random-weight 2-layer Llama HF checkpoint (untied lm_head, theta 1e4) with the default tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **TINY_SHAPE, vocab_size=default_tokenizer.vocab_size, rope_parameters=_rope(10000.0),
+        tie_word_embeddings=False,
+    )
+    return _write_tiny(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny_llama"), default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Tokenizer) -> str:
+    """Random-weight 2-layer Qwen2 HF checkpoint (q/k/v biases, tied, theta 1e6) with the default tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **TINY_SHAPE, vocab_size=default_tokenizer.vocab_size, rope_parameters=_rope(1e6),
+        tie_word_embeddings=True,
+    )
+    return _write_tiny(Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"), default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_smollm2(default_model_path: str) -> Any:
+    """Dense fp32 HF `LlamaForCausalLM` with exactly the GGUF's dequantized weights, eval mode.
+
+    Built as FACTS.md says: transformers' own GGUF path keeps weights packed, so the config
+    comes from the GGUF and the tensors from `load_gguf_checkpoint` (which undoes llama.cpp's
+    Q/K permutation); lm_head is tied to the embedding. Used by the model-math tests.
+    """
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    directory, name = os.path.split(default_model_path)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    with no_init_weights():  # every parameter is overwritten below; skipping random init saves seconds
+        model = LlamaForCausalLM(config)
+    with pytest.MonkeyPatch.context() as patch:
+        # NOTE: transformers rebuilds gguf's (pure, read-only) tensor name map once per submodule,
+        # ~400 times (~8 s); memoizing it changes nothing but the time.
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tensors = load_gguf_checkpoint(default_model_path, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert result.missing_keys == ["lm_head.weight"], result.missing_keys
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.float().eval()

@@ -1,0 +1,36 @@
+"""`splitserve chat` as a real process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from splitserve import LLM, SamplingParams
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "splitserve.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_one_shot_chat_prints_the_greedy_answer(tiny_llama_dir: str) -> None:
+    res = run_cli("chat", "--model", tiny_llama_dir, "--dtype", "float32", "--prompt", "Hello",
+                  "--max-tokens", "8")
+    assert res.returncode == 0, res.stderr
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    expected = llm.chat([{"role": "user", "content": "Hello"}],
+                        SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert res.stdout.strip() == expected.strip()
+
+
+def test_interactive_chat_reads_turns_until_eof(tiny_llama_dir: str) -> None:
+    res = run_cli("chat", "--model", tiny_llama_dir, "--max-tokens", "4", stdin="hi\nmore\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("assistant> ") == 2
+
+
+def test_bad_model_path_exits_with_a_clear_error(tmp_path) -> None:
+    res = run_cli("chat", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert res.returncode == 2
+    assert "error:" in res.stderr and "missing" in res.stderr
