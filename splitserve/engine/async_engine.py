@@ -81,8 +81,11 @@ class AsyncLLM:
         return await asyncio.wrap_future(fut)
 
     def shutdown(self) -> None:
+        """Stops the engine thread, then checks the block pool (no leaked or double-freed blocks)."""
         self._commands.put(None)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.check_invariants()
 
     # -- engine thread ------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -86,14 +86,8 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
     nd = meta.num_decodes
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        tables = meta.decode_block_tables
-        # [nd, max_blocks * block_size, kv_heads, head_dim] -> [nd, kv_heads, L, head_dim]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        query = q[:nd].unsqueeze(2)  # [nd, num_heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
-                                           enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                     meta.decode_mask)
     for p in meta.prefills:
         query = q[p.start:p.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         if p.num_cached == 0:
@@ -103,9 +97,41 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                                                enable_gqa=True)
         else:
             ctx = p.num_cached + (p.end - p.start)
-            keys = k_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
-            values = v_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1)
+            keys = _gather(k_cache, p.block_table)[:ctx].transpose(0, 1)
+            values = _gather(v_cache, p.block_table)[:ctx].transpose(0, 1)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask,
                                                enable_gqa=True)
         out[p.start:p.end] = o.transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[n * block_size, kv_heads, head_dim] tokens of the given blocks, in order.
+
+    NOTE: index_select on dim 0 copies whole contiguous blocks; it is ~20x faster on CPU
+    than advanced indexing `cache[block_ids]` for these shapes.
+    """
+    return cache.index_select(0, block_ids.flatten()).flatten(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      tables: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over its paged context, as two batched matmuls.
+
+    q: [nd, num_heads, head_dim]; tables: [nd, max_blocks]; visible: [nd, 1, 1, L].
+    Query heads are grouped by the KV head they share (GQA), so no K/V repeat is needed:
+    head h uses KV head h // group, matching HF's repeat_interleave layout.
+    (SDPA's CPU kernels are tuned for long queries and are ~10x slower for this shape.)
+    """
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    length = tables.shape[1] * k_cache.shape[1]
+    # [nd, kv_heads, L, head_dim]
+    keys = _gather(k_cache, tables).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather(v_cache, tables).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.view(nd, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2))  # [nd, kv_heads, group, L]
+    scores = scores.mul_(head_dim ** -0.5).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values.contiguous()).view(nd, num_heads, head_dim)

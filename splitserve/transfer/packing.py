@@ -1,0 +1,62 @@
+"""Packing an engine's KV into blob frames: the header of a transfer and one frame per
+layer. The sender streams these; `held_blob_frames` builds a whole blob for tools and
+tests that drive a channel by hand."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.engine.engine import LLMEngine
+from splitserve.transfer.blob import BlobHeader, BlobTrailer, FrameKind, frame, record_frame
+from splitserve.transfer.handle import TransferPlan
+from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, encode_layer, layer_nbytes
+from splitserve.transfer.transport import Buffer
+
+
+def build_header(engine: LLMEngine, plan: TransferPlan, namespace: str | None,
+                 block_hashes: Sequence[bytes], compression: Compression) -> BlobHeader:
+    """The header of `plan`'s transfer from `engine`, whose full blocks in the range hash
+    to `block_hashes`."""
+    bs = engine.block_size
+    if plan.start_token % bs or not 0 <= plan.start_token < plan.end_token:
+        raise ValueError(f"plan range [{plan.start_token}, {plan.end_token}) must be "
+                         f"non-empty and start on a block boundary (block size {bs})")
+    num_blocks = -(-plan.end_token // bs) - plan.start_token // bs
+    shape = (2, num_blocks, bs, engine.spec.num_kv_heads, engine.spec.head_dim)
+    dtype = DTYPE_NAMES[engine.kv_cache.dtype]
+    nbytes = layer_nbytes(shape, dtype, compression)
+    header = BlobHeader(
+        transfer_id=plan.transfer_id, fingerprint=engine.fingerprint,
+        request_id=plan.request_id, namespace=namespace, block_hashes=tuple(block_hashes),
+        start_token=plan.start_token, end_token=plan.end_token,
+        num_layers=engine.spec.num_layers, layer_shape=shape, dtype=dtype,
+        compression=compression, layer_nbytes=(nbytes,) * engine.spec.num_layers)
+    header.check()
+    return header
+
+
+def pack_layer(header: BlobHeader, layer: int, kv: torch.Tensor) -> list[Buffer]:
+    """One LAYER frame from a private copy `kv` of the layer's blocks (modified: the unused
+    slots of the last block are zeroed, so no stale bytes of another request leave)."""
+    num_blocks, block_size = header.layer_shape[1], header.layer_shape[2]
+    num_valid = header.end_token - header.start_token - (num_blocks - 1) * block_size
+    kv[:, -1, num_valid:] = 0
+    return frame(FrameKind.LAYER, encode_layer(kv, header.compression), layer)
+
+
+def held_blob_frames(engine: LLMEngine, plan: TransferPlan, first_token_id: int, *,
+                     namespace: str | None = None,
+                     compression: Compression = Compression.NONE) -> list[bytes]:
+    """Every frame (header, layers, trailer) of a transfer of a held request's KV, as
+    bytes: for tools and tests that drive a channel by hand. Engine thread."""
+    kv = engine.export_kv(plan.request_id)
+    skip = plan.start_token // engine.block_size
+    header = build_header(engine, plan, namespace, kv.block_hashes[skip:], compression)
+    frames = [record_frame(FrameKind.HEADER, header)]
+    with torch.inference_mode():
+        frames += [pack_layer(header, i, engine.read_kv_layer(i, kv.block_ids[skip:]))
+                   for i in range(header.num_layers)]
+    frames.append(record_frame(FrameKind.TRAILER, BlobTrailer(
+        header.transfer_id, header.num_layers, first_token_id)))
+    return [b"".join(bytes(memoryview(p).cast("B")) for p in parts) for parts in frames]

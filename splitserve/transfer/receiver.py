@@ -1,0 +1,321 @@
+"""The decode side of a KV transfer: reserve blocks, validate every frame as it lands,
+place verified layers, and commit only when the whole range is verified.
+
+    engine thread                         reader thread (one per incoming channel)
+    expect(rid) -> plan (blocks reserved)
+                                          header: fingerprint, request, namespace, range,
+                                                  block hashes, layout  -> reply ACCEPTED
+                                                                           or REJECTED
+                                          layer i: length, checksum -> verified queue
+    poll(): write_kv_layer(verified)      trailer: first token
+    poll(): all placed + trailer -> commit_kv     -> reply COMMITTED
+    poll(): error or deadline -> fail_kv          -> reply REJECTED (nothing committed)
+
+Placed layers go into the request's reserved blocks, which nothing reads before
+`commit_kv` (the request is WAITING_FOR_KV and its blocks are not in the prefix cache), so
+a failure at any point leaves no trace: `fail_kv` returns them to the pool. Transfer ids
+are remembered after they finish, so a duplicate delivery is answered and ignored.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+
+import torch
+
+from splitserve.engine.engine import KVRange, LLMEngine
+from splitserve.errors import (FingerprintMismatch, HeaderMismatch, KVImportError,
+                               KVTransferError, TransferCancelled, TransferTimeout)
+from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,
+                                      ReplyOutcome, TransferReply, record_frame)
+from splitserve.transfer.handle import TransferHandle, TransferPlan
+from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, layer_nbytes
+from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
+from splitserve.transfer.transport import Channel, Listener, TransferState, scheme
+
+logger = logging.getLogger(__name__)
+
+REPLY_TIMEOUT_S = 5.0  # for sending a reply; the sender is waiting for it
+
+
+class _Import:
+    """One expected transfer: its plan, reserved blocks and verified-but-unplaced layers."""
+
+    def __init__(self, plan: TransferPlan, target: KVRange, recompute: bool,
+                 telemetry: TransferTelemetry) -> None:
+        self.plan, self.target, self.recompute = plan, target, recompute
+        self.handle = TransferHandle(plan.transfer_id, plan.request_id, telemetry)
+        self.deadline = time.monotonic() + plan.timeout_s
+        self.verified: deque[tuple[int, torch.Tensor]] = deque()  # (layer, kv) to place
+        self.num_placed = 0
+        self.trailer: BlobTrailer | None = None
+        self.error: KVTransferError | None = None  # first error wins; poll() fails it
+        self.channel: Channel | None = None  # the channel that claimed this transfer
+        self.settled = threading.Event()  # committed or failed: the reader may reply
+
+    def fail(self, error: KVTransferError, close: bool) -> None:
+        if self.error is None:
+            self.error = error
+        if close and self.channel is not None:
+            self.channel.close()  # wakes the reader thread
+
+
+class KVReceiver:
+    """Receives prompt KV into `engine` (a decode engine) through `listener`.
+
+    Usage on the engine thread:
+
+        engine.add_request(rid, prompt, params, namespace=ns, await_kv=True)
+        plan = receiver.expect(rid, namespace=ns)   # None: no free blocks yet, retry later
+        ... send plan to the prefill worker; then every step / when idle:
+        for handle in receiver.poll(): handle.poll() is Done (handle.output: first token
+                                       output) or Failed(reason) (blocks already freed)
+    """
+
+    def __init__(self, engine: LLMEngine, listener: Listener, *, header_timeout_s: float = 10.0,
+                 remember: int = 4096) -> None:
+        self.engine, self.listener = engine, listener
+        self.header_timeout_s = header_timeout_s
+        self._remember = remember
+        self._imports: dict[str, _Import] = {}  # transfer id -> active import
+        # Verdicts of finished transfers, by id (small records: dedup must not pin outputs).
+        self._recent: OrderedDict[str, TransferReply] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._activity = threading.Event()  # set by readers when poll() has work
+        self._kv_dtype = DTYPE_NAMES[engine.kv_cache.dtype]
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name="kv-accept")
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    # -- engine thread ------------------------------------------------------------------------
+    def expect(self, request_id: str, *, namespace: str | None = None, timeout_s: float = 30.0,
+               recompute_on_failure: bool = False) -> TransferPlan | None:
+        """Reserves blocks for a request added with `await_kv=True` and returns the plan to
+        give its sender; None when the pool has no room yet (call again later). On failure
+        or deadline the blocks are released and the request is prefilled locally
+        (`recompute_on_failure`) or dropped."""
+        if any(imp.plan.request_id == request_id for imp in self._imports.values()):
+            raise ValueError(f"request {request_id!r} already expects a transfer")
+        target = self.engine.kv_import_target(request_id)
+        if target is None:
+            return None
+        plan = TransferPlan(uuid.uuid4().hex, request_id, namespace, self.address,
+                            target.start_token, target.end_token, timeout_s)
+        telemetry = TransferTelemetry(plan.transfer_id, request_id, scheme(plan.address),
+                                      TransferSide.RECEIVER,
+                                      num_tokens=target.end_token - target.start_token)
+        with self._lock:
+            self._imports[plan.transfer_id] = _Import(plan, target, recompute_on_failure,
+                                                      telemetry)
+        return plan
+
+    def wait(self, timeout_s: float) -> bool:
+        """Blocks until a transfer has work for `poll` (a verified layer, a trailer, an
+        error) or `timeout_s` passed; lets an idle engine thread sleep instead of spinning.
+        Deadlines are only noticed by `poll`, so keep `timeout_s` short (e.g. 50 ms)."""
+        return self._activity.wait(timeout_s)
+
+    def poll(self) -> list[TransferHandle]:
+        """Places verified layers, commits complete imports, fails broken or late ones
+        (releasing their blocks). Returns the handles that finished since the last call."""
+        self._activity.clear()  # before looking: later reader events set it again
+        now = time.monotonic()
+        finished = []
+        for imp in list(self._imports.values()):
+            if imp.error is None and now >= imp.deadline:
+                imp.fail(TransferTimeout(f"KV of request {imp.plan.request_id!r} did not "
+                                         f"arrive within {imp.plan.timeout_s:g} s"), close=True)
+            if imp.error is None:
+                try:
+                    self._place(imp)
+                except KVImportError as exc:  # the request left the engine meanwhile
+                    imp.fail(TransferCancelled(str(exc)), close=True)
+            if imp.error is not None:
+                self.engine.fail_kv(imp.plan.request_id, imp.recompute)
+                imp.handle.finish(imp.error)
+            if imp.handle.poll().is_terminal:
+                self._retire(imp)
+                finished.append(imp.handle)
+        return finished
+
+    def cancel(self, request_id: str) -> None:
+        """Abandons the request's import; the next `poll` releases its blocks."""
+        for imp in list(self._imports.values()):
+            if imp.plan.request_id == request_id:
+                imp.fail(TransferCancelled(f"import of {request_id!r} was cancelled"), close=True)
+
+    def close(self) -> None:
+        """Stops listening, fails every open import (releasing blocks) and stops threads."""
+        self._closed.set()
+        self.listener.close()
+        for imp in list(self._imports.values()):
+            imp.fail(TransferCancelled("the KV receiver was closed"), close=True)
+        self.poll()
+        self._accept_thread.join(timeout=5)
+
+    def _place(self, imp: _Import) -> None:
+        t0 = time.perf_counter()
+        while imp.verified:
+            layer, kv = imp.verified.popleft()
+            self.engine.write_kv_layer(layer, imp.target.block_ids, kv)
+            imp.num_placed += 1
+        trailer = imp.trailer
+        if trailer is not None and imp.num_placed == trailer.num_layers:
+            imp.handle.output = self.engine.commit_kv(imp.plan.request_id, trailer.first_token_id)
+            imp.handle.finish()
+        imp.handle.telemetry.place_s += time.perf_counter() - t0
+
+    def _retire(self, imp: _Import) -> None:
+        with self._lock:
+            self._imports.pop(imp.plan.transfer_id, None)
+            self._recent[imp.plan.transfer_id] = self._verdict(imp.handle, ReplyOutcome.DUPLICATE)
+            while len(self._recent) > self._remember:
+                self._recent.popitem(last=False)
+        imp.settled.set()
+
+    # -- network threads ----------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            channel = self.listener.accept(time.monotonic() + 0.2)
+            if channel is not None:
+                threading.Thread(target=self._serve, args=(channel,), daemon=True,
+                                 name="kv-recv").start()
+
+    def _serve(self, channel: Channel) -> None:
+        try:
+            imp = self._receive(channel)
+            if imp is not None:  # the trailer arrived: wait for the engine thread's verdict
+                imp.settled.wait(max(0.0, imp.deadline - time.monotonic()) + 1.0)
+                self._send_reply(channel, self._verdict(imp.handle, ReplyOutcome.COMMITTED))
+        finally:
+            channel.close()
+
+    def _receive(self, channel: Channel) -> _Import | None:
+        """Reads one transfer; the import once its trailer arrived, None if it failed or was
+        a duplicate (already answered)."""
+        reader = BlobReader(channel)
+        imp = None
+        try:
+            header = reader.read_header(time.monotonic() + self.header_timeout_s)
+            imp = self._claim(header.transfer_id, channel)
+            if imp is None:
+                return None
+            tel = imp.handle.telemetry
+            t0 = time.perf_counter()
+            self._check_header(imp, header)
+            tel.validate_s += time.perf_counter() - t0
+            tel.compression, tel.num_layers = header.compression.value, header.num_layers
+            tel.payload_bytes = header.num_layers * layer_nbytes(
+                header.layer_shape, header.dtype, Compression.NONE)
+            imp.handle.mark_transferring()  # before answering: the peer may be quick
+            wire_start = time.monotonic()
+            channel.send(record_frame(FrameKind.REPLY, TransferReply(
+                header.transfer_id, ReplyOutcome.ACCEPTED)), imp.deadline)
+
+            def on_chunk(seconds: float) -> None:
+                tel.validate_s += seconds
+            for layer in range(header.num_layers):
+                kv = reader.read_layer(header, layer, imp.deadline, on_chunk)
+                imp.verified.append((layer, kv))
+                self._activity.set()
+            imp.trailer = reader.read_trailer(header, imp.deadline)
+            self._activity.set()
+            tel.wire_s = time.monotonic() - wire_start
+            tel.wire_bytes = reader.num_bytes
+            return imp
+        except KVTransferError as exc:
+            if imp is None:  # nothing claimed: answer this channel only
+                self._send_reply(channel, TransferReply(
+                    "", ReplyOutcome.REJECTED, type(exc).__name__, str(exc)))
+                return None
+            imp.fail(exc, close=False)
+        except Exception as exc:  # a bug: fail the import, never hang it
+            logger.exception("KV receive failed")
+            if imp is None:
+                return None
+            imp.fail(KVTransferError(f"internal error while receiving: {exc!r}"), close=False)
+        self._activity.set()
+        # Failed: reply at once (nothing can commit any more: the error is set).
+        assert imp is not None and imp.error is not None
+        self._send_reply(channel, TransferReply(imp.plan.transfer_id, ReplyOutcome.REJECTED,
+                                                type(imp.error).__name__, str(imp.error)))
+        return None
+
+    def _claim(self, transfer_id: str, channel: Channel) -> _Import | None:
+        """The import this channel delivers; None (after replying) for duplicates and
+        transfers nobody expects."""
+        with self._lock:
+            imp = self._imports.get(transfer_id)
+            if imp is not None and imp.channel is None and imp.error is None:
+                imp.channel = channel
+                return imp
+            done = self._recent.get(transfer_id)
+        if imp is not None:
+            reply = TransferReply(transfer_id, ReplyOutcome.REJECTED, "DuplicateTransfer",
+                                  "this transfer is already being received; duplicate ignored")
+        elif done is not None:
+            self._send_reply(channel, done)  # DUPLICATE if it was committed, else REJECTED
+            return None
+        else:
+            reply = TransferReply(transfer_id, ReplyOutcome.REJECTED, HeaderMismatch.__name__,
+                                  f"no import is expected for transfer {transfer_id} "
+                                  "(unknown, or its deadline passed)")
+        self._send_reply(channel, reply)
+        return None
+
+    def _check_header(self, imp: _Import, header: BlobHeader) -> None:
+        """Compatibility of a well-formed header with this engine and this import."""
+        engine, plan, target = self.engine, imp.plan, imp.target
+        if header.fingerprint != engine.fingerprint:
+            raise FingerprintMismatch(
+                f"KV for request {header.request_id!r} comes from model fingerprint "
+                f"{header.fingerprint}, this engine is {engine.fingerprint}: the engines "
+                "differ in model, weights, KV dtype or block size; route the request to a "
+                "prefill worker serving the same model configuration")
+        if header.request_id != plan.request_id:
+            raise HeaderMismatch(f"transfer {plan.transfer_id} is for request "
+                                 f"{plan.request_id!r} but the header is for "
+                                 f"{header.request_id!r}")
+        if header.namespace != plan.namespace:
+            raise HeaderMismatch(f"KV of request {plan.request_id!r} is from cache namespace "
+                                 f"{header.namespace!r}, expected {plan.namespace!r}")
+        if (header.start_token, header.end_token) != (target.start_token, target.end_token):
+            raise HeaderMismatch(f"KV covers tokens [{header.start_token}, {header.end_token}), "
+                                 f"the import needs [{target.start_token}, {target.end_token})")
+        if list(header.block_hashes) != list(target.block_hashes):
+            raise HeaderMismatch(f"block hashes of request {plan.request_id!r} differ: the "
+                                 "sender computed KV for other tokens")
+        shape = (2, len(target.block_ids), engine.block_size, engine.spec.num_kv_heads,
+                 engine.spec.head_dim)
+        if (header.layer_shape, header.num_layers, header.dtype) != (
+                shape, engine.spec.num_layers, self._kv_dtype):
+            raise HeaderMismatch(f"layout {list(header.layer_shape)} x {header.num_layers} "
+                                 f"{header.dtype} does not fit {list(shape)} x "
+                                 f"{engine.spec.num_layers} {self._kv_dtype}")
+
+    @staticmethod
+    def _verdict(handle: TransferHandle, if_done: ReplyOutcome) -> TransferReply:
+        """The reply for a settled import: `if_done` (COMMITTED for its own delivery,
+        DUPLICATE for a repeat) when it is DONE, else REJECTED with the reason."""
+        status, tel = handle.poll(), handle.telemetry
+        if status.state == TransferState.DONE:
+            return TransferReply(handle.transfer_id, if_done, validate_s=tel.validate_s,
+                                 place_s=tel.place_s)
+        error = status.error or TransferTimeout("the import was not settled in time")
+        return TransferReply(handle.transfer_id, ReplyOutcome.REJECTED, type(error).__name__,
+                             str(error))
+
+    @staticmethod
+    def _send_reply(channel: Channel, reply: TransferReply) -> None:
+        try:
+            channel.send(record_frame(FrameKind.REPLY, reply), time.monotonic() + REPLY_TIMEOUT_S)
+        except KVTransferError:
+            pass  # the sender is gone or stalled; its own deadline ends its side

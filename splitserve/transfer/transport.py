@@ -1,0 +1,151 @@
+"""The one transport interface every KV transport implements, the pollable transfer state,
+and the registry of transports.
+
+A transport moves an ordered, reliable byte stream between two endpoints: the sender
+`connect`s to the address a receiver's `Listener` advertises and gets a `Channel`; the
+receiver `accept`s the matching `Channel`. The blob format (blob.py) frames KV on top, so
+a transport knows nothing about KV. Every blocking call takes an absolute deadline on
+`time.monotonic()`: nothing waits forever.
+
+    sender thread                           receiver reader thread
+    chan = transport.connect(addr, dl)      chan = listener.accept(dl)
+    chan.send([prelude, K/V bytes], dl)     chan.recv_into(buf, dl)   # exactly len(buf)
+    chan.recv_into(reply, dl)          <--  chan.send([reply], dl)
+
+Errors are typed: `TransferTimeout` at a deadline, `TruncatedTransfer` when the peer closed
+or died (or `close()` was called from another thread, which wakes a blocked call).
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from splitserve.errors import KVTransferError, TransferTimeout
+
+Buffer = bytes | bytearray | memoryview
+
+
+class TransferState(IntEnum):
+    """Where a transfer is; terminal states sort last."""
+    PENDING = 0  # planned or connecting; no KV bytes moved yet
+    TRANSFERRING = 1
+    DONE = 2  # receiver committed the KV (sender: acknowledged)
+    FAILED = 3  # see TransferStatus.error; nothing was committed
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= TransferState.DONE
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStatus:
+    """`Pending | Transferring | Done | Failed(reason)`: `error` is set exactly when FAILED."""
+    state: TransferState
+    error: KVTransferError | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state.is_terminal
+
+
+class Channel(ABC):
+    """One transfer's ordered, reliable, bidirectional byte stream.
+
+    Each direction is used by one thread at a time; `close()` may be called from any
+    thread and wakes a blocked `send`/`recv_into` with `TruncatedTransfer`.
+    """
+
+    @abstractmethod
+    def send(self, parts: Sequence[Buffer], deadline: float) -> None:
+        """Writes all of `parts`, in order, as one coalesced write (gathered, not joined).
+        The parts may be reused by the caller once this returns."""
+
+    @abstractmethod
+    def recv_into(self, buf: memoryview, deadline: float) -> None:
+        """Fills `buf` with exactly `len(buf)` bytes of the stream."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the channel; idempotent. The peer's next read sees the stream end."""
+
+
+class Listener(ABC):
+    """A receiver's endpoint: peers connect to `address`."""
+    address: str
+
+    @abstractmethod
+    def accept(self, deadline: float) -> Channel | None:
+        """The next incoming channel, or None if none arrived by `deadline`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops accepting; idempotent. Channels already accepted stay open."""
+
+
+class Transport(ABC):
+    """A way to move bytes between engines (`inproc`, `shm`, `tcp`, ...)."""
+    name: str
+
+    @abstractmethod
+    def listen(self, address: str | None = None) -> Listener:
+        """Opens a receiving endpoint; `address` None picks a fresh local one."""
+
+    @abstractmethod
+    def connect(self, address: str, deadline: float) -> Channel:
+        """Opens a channel to the listener at `address` (as its `address` attribute says)."""
+
+
+def remaining(deadline: float, what: str) -> float:
+    """Seconds left before `deadline`; TransferTimeout naming `what` if none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout(f"{what} passed its deadline; raise the transfer timeout or "
+                              "check that the peer is alive and not overloaded")
+    return left
+
+
+def scheme(address: str) -> str:
+    """The transport name of an address: `tcp://127.0.0.1:5000` -> `tcp`."""
+    name, sep, _ = address.partition("://")
+    if not sep:
+        raise ValueError(f"KV transfer address {address!r} has no scheme; expected e.g. "
+                         f"'tcp://host:port' (supported: {supported_transports()})")
+    return name
+
+
+# -- registry -------------------------------------------------------------------------------
+# Built-in transports are imported on first use, so `import splitserve.transfer.transport`
+# stays light (no torch) for processes that only move bytes.
+_BUILTIN = {
+    "inproc": "splitserve.transfer.inproc",
+    "shm": "splitserve.transfer.shm",
+    "tcp": "splitserve.transfer.tcp",
+}
+_FACTORIES: dict[str, Callable[[], Transport]] = {}
+_INSTANCES: dict[str, Transport] = {}
+
+
+def register_transport(name: str, factory: Callable[[], Transport]) -> None:
+    """Makes `get_transport(name)` build transports with `factory` (RDMA, Mooncake, ...)."""
+    _FACTORIES[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def supported_transports() -> list[str]:
+    return sorted({*_BUILTIN, *_FACTORIES})
+
+
+def get_transport(name: str) -> Transport:
+    """The process-wide transport called `name`; KeyError listing the supported names."""
+    if name not in _INSTANCES:
+        if name not in _FACTORIES and name in _BUILTIN:
+            importlib.import_module(_BUILTIN[name])  # registers itself
+        factory = _FACTORIES.get(name)
+        if factory is None:
+            raise KeyError(f"unknown KV transport {name!r}; supported: {supported_transports()}")
+        _INSTANCES[name] = factory()
+    return _INSTANCES[name]

@@ -1,0 +1,132 @@
+"""The receiver rejects incompatible, corrupted or incomplete KV with a typed error, commits
+nothing, and returns every reserved block to its pool."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from splitserve import SamplingParams
+from splitserve.errors import (ChecksumMismatch, FingerprintMismatch, HeaderMismatch,
+                               KVTransferError, TransferRejected, TruncatedTransfer)
+from splitserve.transfer.blob import PRELUDE, ReplyOutcome, TransferReply
+from splitserve.transfer.handle import TransferHandle
+from splitserve.transfer.transport import TransferState
+from tests.transfer.conftest import TRANSPORTS, Pair, deliver, prefill_frames, settle
+
+from tests.transfer.conftest import PARAMS, PROMPT
+
+
+def assert_rejected(pair: Pair, handle: TransferHandle, error: type[KVTransferError],
+                    reply: TransferReply | None = None) -> None:
+    """FAILED with `error`, nothing committed, every reserved block back in B's pool."""
+    settle(pair, handle)
+    status = handle.poll()
+    assert status.state == TransferState.FAILED and isinstance(status.error, error), status
+    assert handle.output is None
+    engine = pair.b.engine
+    assert handle.request_id not in engine.scheduler.requests  # dropped, not running
+    assert engine.kv.pool.num_used_blocks == 0
+    engine.check_invariants()
+    if reply is not None:
+        assert reply.outcome == ReplyOutcome.REJECTED and reply.error_kind == error.__name__
+
+
+@pytest.mark.parametrize("other", [{"model": "qwen2"}, {"dtype": "bfloat16"},
+                                   {"block_size": 8}], ids=["model", "dtype", "block_size"])
+def test_wrong_fingerprint(make_pair: Callable[..., Pair], tiny_qwen2_dir: str,
+                           other: dict[str, str | int]) -> None:
+    if other.get("model") == "qwen2":
+        other = {"model": tiny_qwen2_dir}
+    pair = make_pair("tcp", a_kwargs=other)
+    plan = pair.expect("r", PROMPT, PARAMS)
+    pair.a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1),
+                              hold_kv=True)
+    send = pair.sender.start("r", plan)
+    recv = pair.receiver_handle(plan)
+    pair.pump(send, recv)
+    assert_rejected(pair, recv, FingerprintMismatch)
+    error = send.poll().error
+    assert isinstance(error, TransferRejected) and error.remote_kind == "FingerprintMismatch"
+    assert pair.sender.num_released == 1 and pair.a.engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_flipped_byte_in_a_payload(make_pair: Callable[..., Pair], transport: str) -> None:
+    pair = make_pair(transport)
+    plan = pair.expect("r", PROMPT, PARAMS)
+    frames = prefill_frames(pair, plan)
+    layer1 = bytearray(frames[2])
+    layer1[PRELUDE.size + 1000] ^= 0x01
+    frames[2] = bytes(layer1)
+    reply = deliver(pair, transport, frames)
+    assert_rejected(pair, pair.receiver_handle(plan), ChecksumMismatch, reply)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_truncated_stream(make_pair: Callable[..., Pair], transport: str) -> None:
+    pair = make_pair(transport)
+    plan = pair.expect("r", PROMPT, PARAMS)
+    frames = prefill_frames(pair, plan)
+    cut = frames[0] + frames[1] + frames[2][:len(frames[2]) // 2]  # header, layer 0, half of 1
+    deliver(pair, transport, [cut], read_reply=False)
+    assert_rejected(pair, pair.receiver_handle(plan), TruncatedTransfer)
+
+
+def test_header_from_another_request(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair("inproc")
+    plan = pair.expect("r", PROMPT, PARAMS)
+    other = list(range(2000, 2037))
+    frames = prefill_frames(pair, dataclasses.replace(plan, request_id="other"), other)
+    reply = deliver(pair, "inproc", frames)
+    assert_rejected(pair, pair.receiver_handle(plan), HeaderMismatch, reply)
+    assert "request" in reply.message if reply else False
+
+
+def test_same_request_id_but_other_tokens(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair("inproc")
+    plan = pair.expect("r", PROMPT, PARAMS)
+    frames = prefill_frames(pair, plan, list(range(2000, 2037)))
+    reply = deliver(pair, "inproc", frames)
+    assert_rejected(pair, pair.receiver_handle(plan), HeaderMismatch, reply)
+    assert reply is not None and "block hashes" in reply.message
+
+
+def test_mismatched_namespace(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair("tcp")
+    plan = pair.expect("r", PROMPT, PARAMS, namespace="tenant-a")
+    pair.a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1),
+                              namespace="tenant-b", hold_kv=True)
+    send = pair.sender.start("r", plan, namespace="tenant-b")
+    recv = pair.receiver_handle(plan)
+    pair.pump(send, recv)
+    assert_rejected(pair, recv, HeaderMismatch)
+    assert "namespace" in str(recv.poll().error)
+
+
+def test_wrong_token_range(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair("inproc")
+    shared = PROMPT[:32]
+    pair.b.generate(shared, SamplingParams(max_tokens=1))  # B will only import [32, 37)
+    plan = pair.expect("r", PROMPT, PARAMS)
+    assert plan.start_token == 32
+    frames = prefill_frames(pair, dataclasses.replace(plan, start_token=0))
+    reply = deliver(pair, "inproc", frames)
+    assert_rejected(pair, pair.receiver_handle(plan), HeaderMismatch, reply)
+
+
+def test_unknown_transfer_is_refused_without_touching_others(
+        make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair("inproc")
+    plan = pair.expect("r", PROMPT, PARAMS)
+    frames = prefill_frames(pair, dataclasses.replace(plan, transfer_id="nobody-expects-me"))
+    reply = deliver(pair, "inproc", frames)
+    assert reply is not None and reply.outcome == ReplyOutcome.REJECTED
+    assert reply.error_kind == "HeaderMismatch"
+    recv = pair.receiver_handle(plan)
+    pair.receiver.poll()
+    assert recv.poll().state == TransferState.PENDING  # the real import is unaffected
+    pair.receiver.cancel("r")
+    settle(pair, recv)
+    assert pair.b.engine.kv.pool.num_used_blocks == 0
