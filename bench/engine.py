@@ -264,9 +264,10 @@ class Settings:
     warmup_new_tokens: int
 
 
-def make_engine(args: argparse.Namespace) -> LLMEngine:
+def make_engine(args: argparse.Namespace, quantization: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig.from_kwargs(
         args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
+        quantization=quantization,
         max_num_batched_tokens=max(PREFILL_LEN, BATCH * DECODE_PROMPT_LEN),
         max_num_seqs=max(64, BATCH)))
 
@@ -437,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto = bfloat16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    ap.add_argument("--int8", choices=["on", "off"], default="on",
+                    help="also measure the engine with int8 weight-only quantization")
     ap.add_argument("--max-redos", type=int, default=6,
                     help="measurements disturbed by other processes are redone, at most this "
                          "many times in the run")
@@ -475,6 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log("splitserve engine ...")
     results[f"**splitserve** ({_dtype_name(engine)}, this run)"] = run_engine(engine, st, guard,
                                                                                  log)
+    if args.int8 == "on":
+        log("splitserve engine, int8 weight-only ...")
+        engine8 = make_engine(args, quantization="int8")
+        results["splitserve int8 weight-only (opt-in `quantization=\"int8\"`, this run)"] = \
+            run_engine(engine8, st, guard, log)
+        del engine8
     if not args.no_hf:
         from splitserve.model.default import default_model_path
         path = args.model or default_model_path()

@@ -45,6 +45,8 @@ class EngineConfig:
     device: str = "auto"
     # torch intra-op threads on CPU; None keeps torch's default.
     num_threads: int | None = None
+    # None = weights in `dtype`; "int8" = weight-only int8 (faster batch-1 decode on CPU).
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Check the block pool's invariants after every step (tests turn this on).

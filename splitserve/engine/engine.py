@@ -21,6 +21,7 @@ from splitserve.kv_cache import BlockHash, KVCacheManager, root_hash
 from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
+from splitserve.model.quant import QUANTIZATIONS, quantize_int8_
 from splitserve.model.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,13 @@ class LLMEngine:
         assert isinstance(model, LlamaForCausalLM)
         model.load_weights(ckpt.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        weights_digest = ckpt.weights_digest
+        if config.quantization is not None:
+            if config.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization {config.quantization!r} is not supported; "
+                                 f"use one of {QUANTIZATIONS} or none")
+            quantize_int8_(self.model)
+            weights_digest += f"+{config.quantization}"
 
         self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
@@ -76,7 +84,7 @@ class LLMEngine:
             (self.spec.num_layers, 2, num_blocks, cache.block_size, self.spec.num_kv_heads,
              self.spec.head_dim), dtype=self.dtype, device=self.device)
         self.fingerprint = model_fingerprint(self.spec, str(self.dtype).removeprefix("torch."),
-                                             cache.block_size, ckpt.weights_digest)
+                                             cache.block_size, weights_digest)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size, self.device)

@@ -56,15 +56,16 @@ class ModelRunner:
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
         decodes = [s for s in seqs if len(s.token_ids) == 1]
         nd = len(decodes)
-        decode_tables = decode_mask = None
+        decode_tables = decode_padding = None
+        ctx_lens: list[int] = [s.start_pos + 1 for s in decodes]
         if nd:
             max_blocks = max(len(s.block_table) for s in decodes)
             decode_tables = torch.tensor(
                 [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
                 dtype=torch.long, device=dev)
-            ctx_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
             key_pos = torch.arange(max_blocks * bs, device=dev)
-            decode_mask = (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+            lens = torch.tensor(ctx_lens, device=dev)
+            decode_padding = (key_pos[None, :] >= lens[:, None])[:, None, None, :]
         prefills: list[PrefillSlice] = []
         start = nd
         for s in seqs[nd:]:
@@ -80,7 +81,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=nd, decode_block_tables=decode_tables, decode_mask=decode_mask,
+            num_decodes=nd, decode_block_tables=decode_tables, decode_padding=decode_padding,
+            decode_context_lens=ctx_lens,
             prefills=prefills)
         return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

@@ -45,7 +45,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] visible keys
+    # [num_decodes, 1, 1, max_blocks * block_size] True where a key is padding (hidden)
+    decode_padding: torch.Tensor | None
+    decode_context_lens: list[int]  # keys each decode attends to (its new token included)
     prefills: list[PrefillSlice]
     # Called with the layer index after each layer wrote its KV (layer-wise KV streaming).
     on_layer_end: Callable[[int], None] | None = None
@@ -82,26 +84,32 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    decoded = None
     if nd:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                     meta.decode_mask)
+        assert meta.decode_block_tables is not None and meta.decode_padding is not None
+        decoded = _decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                    meta.decode_padding, meta.decode_context_lens)
+        if not meta.prefills:
+            return decoded
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if decoded is not None:
+        out[:nd] = decoded
     for p in meta.prefills:
-        query = q[p.start:p.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        # 4-D [1, heads, len, head_dim] inputs: 3-D ones miss SDPA's fast CPU kernel.
+        query = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
         if p.num_cached == 0:
-            keys = k[p.start:p.end].transpose(0, 1)
-            values = v[p.start:p.end].transpose(0, 1)
+            keys = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                enable_gqa=True)
         else:
             ctx = p.num_cached + (p.end - p.start)
-            keys = _gather(k_cache, p.block_table)[:ctx].transpose(0, 1)
-            values = _gather(v_cache, p.block_table)[:ctx].transpose(0, 1)
+            keys = _gather(k_cache, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
+            values = _gather(v_cache, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask,
                                                enable_gqa=True)
-        out[p.start:p.end] = o.transpose(0, 1)
+        out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
 
@@ -115,10 +123,11 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      tables: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+                      tables: torch.Tensor, padding: torch.Tensor,
+                      context_lens: list[int]) -> torch.Tensor:
     """One query per sequence over its paged context, as two batched matmuls.
 
-    q: [nd, num_heads, head_dim]; tables: [nd, max_blocks]; visible: [nd, 1, 1, L].
+    q: [nd, num_heads, head_dim]; tables: [nd, max_blocks]; padding: [nd, 1, 1, L].
     Query heads are grouped by the KV head they share (GQA), so no K/V repeat is needed:
     head h uses KV head h // group, matching HF's repeat_interleave layout.
     (SDPA's CPU kernels are tuned for long queries and are ~10x slower for this shape.)
@@ -130,8 +139,12 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # [nd, kv_heads, L, head_dim]
     keys = _gather(k_cache, tables).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
     values = _gather(v_cache, tables).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+    if nd == 1:  # a lone sequence needs no padding mask: cut the context to its length
+        keys, values = keys[:, :, :context_lens[0]], values[:, :, :context_lens[0]]
     qg = q.view(nd, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2))  # [nd, kv_heads, group, L]
-    scores = scores.mul_(head_dim ** -0.5).masked_fill_(~visible, float("-inf"))
+    scores = scores.mul_(head_dim ** -0.5)
+    if nd > 1:
+        scores = scores.masked_fill_(padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values.contiguous()).view(nd, num_heads, head_dim)

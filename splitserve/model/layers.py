@@ -66,10 +66,9 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

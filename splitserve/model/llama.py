@@ -30,11 +30,12 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one rotary pass over [num_tokens, heads + kv_heads, head_dim]
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(self.layer_idx, q, k, v)
         return self.o_proj(out.flatten(1))
 

@@ -48,7 +48,7 @@ def last_logits(llm: LLM, prompt_ids: list[int]) -> torch.Tensor:
     num_blocks = -(-n // engine.block_size)
     meta = AttentionMetadata(
         kv_cache=engine.kv_cache, slot_mapping=torch.arange(n), num_decodes=0,
-        decode_block_tables=None, decode_mask=None,
+        decode_block_tables=None, decode_padding=None, decode_context_lens=[],
         prefills=[PrefillSlice(0, n, 0, torch.arange(num_blocks), None)])
     with torch.inference_mode(), forward_context(meta):
         hidden = engine.model(torch.tensor(prompt_ids), torch.arange(n))
