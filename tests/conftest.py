@@ -2,6 +2,8 @@
 dense fp32 HF reference of the default model."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import functools
 import os
 from pathlib import Path
@@ -103,3 +105,28 @@ def hf_reference_smollm2(default_model_path: str) -> Any:
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.float().eval()
+
+
+@pytest.fixture
+def engine_defaults() -> dict[str, Any]:
+    """Engine arguments `make_llm` starts from; a test package may override this fixture."""
+    return {"dtype": "float32", "debug_invariants": True, "num_blocks": 256}
+
+
+@pytest.fixture
+def make_llm(tiny_llama_dir: str, engine_defaults: dict[str, Any]) -> Iterator[Any]:
+    """Builds engines over the tiny random Llama (fp32 by default); after the test, checks
+    every engine's block pool invariants and that no request was left unfinished."""
+    from splitserve import LLM
+    made: list[LLM] = []
+
+    def make(**kwargs: Any) -> LLM:
+        kwargs = {**engine_defaults, **kwargs}
+        llm = LLM(str(kwargs.pop("model", tiny_llama_dir)), **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.check_invariants()
+        assert not llm.engine.has_unfinished

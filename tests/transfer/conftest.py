@@ -40,20 +40,9 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def make_llm(tiny_llama_dir: str) -> Iterator[Callable[..., LLM]]:
-    """Builds fp32 engines over the tiny random Llama; checks every pool's invariants after."""
-    made: list[LLM] = []
-
-    def make(**kwargs: Any) -> LLM:
-        kwargs = {"dtype": "float32", "debug_invariants": True, "num_blocks": 64, **kwargs}
-        llm = LLM(str(kwargs.pop("model", tiny_llama_dir)), **kwargs)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.check_invariants()
-        assert not llm.engine.has_unfinished
+def engine_defaults() -> dict[str, Any]:
+    """Smaller pools than the engine tests: the transfer tests also fill them."""
+    return {"dtype": "float32", "debug_invariants": True, "num_blocks": 64}
 
 
 @dataclasses.dataclass
