@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.config import EngineConfig
-from splitserve.engine.batch import ScheduledBatch
+from splitserve.engine.batch import SampledToken, ScheduledBatch
 from splitserve.engine.output import Detokenizer, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
@@ -172,7 +172,7 @@ class LLMEngine:
         listener = self.layer_listener
         return None if listener is None else (lambda layer: listener(layer, batch))
 
-    def _outputs(self, updated: list[Request], sampled: dict, num_computed: int
+    def _outputs(self, updated: list[Request], sampled: dict[str, SampledToken], num_computed: int
                  ) -> list[RequestOutput]:
         self.num_computed_tokens_total += num_computed
         outputs = []

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 from splitserve.errors import (BlobFormatError, KVTransferError, TransferRejected,
                                TransferTimeout, TruncatedTransfer)
-from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, register_transport,
-                                           remaining)
+from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, close_socket,
+                                           register_transport, remaining)
 
 DATA_RING_BYTES = 16 << 20  # connector -> acceptor (the KV direction); stays in L3
 MAX_POOLED_RINGS = 4  # free ring pairs a connector keeps per transport
@@ -175,11 +175,7 @@ class ShmChannel(Channel):
         if rings is not None and self._owner == threading.get_ident() and self._drained():
             self._transport._pool(rings)
             rings = None
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in _pump
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)  # wakes a thread blocked on it
         if rings is not None:
             rings.discard()
         # Mappings are not closed here: another thread may still be copying out of one
@@ -259,11 +255,7 @@ class ShmListener(Listener):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         else:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 
 from splitserve.errors import TransferRejected, TransferTimeout, TruncatedTransfer
-from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, register_transport,
-                                           remaining)
+from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, close_socket,
+                                           register_transport, remaining)
 
 # Largest single recv: big enough to amortize the syscall, small enough that the receiver
 # checksums bytes while they are still in cache (blob.py hashes each chunk as it lands).
@@ -83,11 +83,7 @@ class TcpChannel(Channel):
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a recv blocked in another thread
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)  # wakes a thread blocked on it
 
 
 class TcpListener(Listener):
@@ -116,11 +112,7 @@ class TcpListener(Listener):
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)
 
 
 class TcpTransport(Transport):

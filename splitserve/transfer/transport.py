@@ -18,6 +18,7 @@ or died (or `close()` was called from another thread, which wakes a blocked call
 from __future__ import annotations
 
 import importlib
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -149,3 +150,12 @@ def get_transport(name: str) -> Transport:
             raise KeyError(f"unknown KV transport {name!r}; supported: {supported_transports()}")
         _INSTANCES[name] = factory()
     return _INSTANCES[name]
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shuts a socket down (waking any thread blocked on it) and closes it; never raises."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or already shut
+    sock.close()
