@@ -1,11 +1,14 @@
-"""`splitserve chat | ...`: command-line entry points."""
+"""`splitserve serve | chat`: command-line entry points."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Any
 
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+import yaml
+
+from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, SchedulerConfig,
+                               ServeConfig)
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
@@ -66,6 +69,65 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every ServeConfig key as a flag (default None: the YAML file's value, else the
+    dataclass default)."""
+    p.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
+    p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the model name clients send")
+    p.add_argument("--mode", choices=["disagg", "agg"],
+                   help="disagg: prefill and decode pools (default); agg: colocated workers")
+    p.add_argument("--prefill", type=int, help="prefill workers (disagg; default 1)")
+    p.add_argument("--decode", type=int, help="decode workers (agg: workers; default 1)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--worker-cores", help="cores per worker, prefill workers first: '0;1' or "
+                   "'0,1;2,3' (default: split this machine's cores between the pools)")
+    p.add_argument("--threads-per-worker", type=int, help="torch threads per worker")
+    p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
+    p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
+                   help="auto: the router decides per request (conditional disaggregation)")
+    p.add_argument("--max-queue-len", type=int, help="admission queue bound (then 429)")
+    p.add_argument("--tenant-max-cached-blocks", type=int, help="per-tenant cache cap")
+    p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (router, metrics)")
+    p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (conditional disagg)")
+    p.add_argument("--dtype", help="auto (bfloat16) | float32")
+    p.add_argument("--quantization", help="none | int8")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--request-timeout-s", type=float, help="per-request deadline")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    values: dict[str, Any] = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping of serve options")
+        values = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    for key, value in vars(args).items():
+        if key not in ("config", "command") and value is not None:
+            values[key] = value
+    if isinstance(values.get("worker_cores"), str):
+        values["worker_cores"] = [[int(c) for c in part.split(",")]
+                                  for part in values["worker_cores"].split(";")]
+    if values.get("quantization") == "none":
+        values["quantization"] = None
+    deadline_keys = DeadlineConfig.__dataclass_fields__.keys()
+    deadlines = values.pop("deadlines", None) or {}
+    deadlines.update({k: values.pop(k) for k in list(values) if k in deadline_keys})
+    known = ServeConfig.__dataclass_fields__.keys()
+    unknown = values.keys() - known
+    if unknown:
+        raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(known)}")
+    return ServeConfig(**values, deadlines=DeadlineConfig(**deadlines))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,8 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p_chat.add_argument("--temperature", type=float, default=0.0)
     p_chat.add_argument("--top-p", type=float, default=1.0)
     p_chat.add_argument("--seed", type=int, default=None)
+    p_serve = sub.add_parser("serve", help="serve the OpenAI API with prefill/decode pools")
+    add_serve_args(p_serve)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            from splitserve.api.serve import run
+            return run(serve_config(args))
         return chat(args)
     except (SplitserveError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -66,3 +66,72 @@ class EngineConfig:
         return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),  # type: ignore[arg-type]
                             scheduler=SchedulerConfig(**pick(sched_keys)),  # type: ignore[arg-type]
                             **pick(engine_keys))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DeadlineConfig:
+    """Every wait a request can make has a limit; the dispatcher's reaper enforces them."""
+    request_timeout_s: float = 600.0  # arrival -> last token
+    queue_timeout_s: float = 30.0  # waiting for admission
+    prefill_timeout_s: float = 120.0  # dispatched -> first token
+    kv_timeout_s: float = 60.0  # decode worker: reservation -> imported KV committed
+    decode_step_timeout_s: float = 60.0  # longest gap between two streamed tokens
+    heartbeat_timeout_s: float = 30.0  # a worker silent this long is dead
+    worker_start_timeout_s: float = 600.0  # process start -> model loaded and registered
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`splitserve serve`: the frontend, the router and the worker pools on one machine.
+    Every key can come from a YAML file (same names, `-` or `_`) or a flag."""
+    model: str | None = None
+    served_model_name: str | None = None  # default: the model file's name
+    mode: str = "disagg"  # "disagg" | "agg" (colocated workers: the baseline)
+    prefill: int = 1  # prefill workers (disagg)
+    decode: int = 1  # decode workers (disagg); workers in agg mode
+    host: str = "127.0.0.1"
+    port: int = 8000
+    runtime: str = "local"
+    # CPU cores per worker, e.g. [[0], [1]] (prefill workers first, then decode); None:
+    # split this process's cores between the pools and pin each worker.
+    worker_cores: list[list[int]] | None = None
+    threads_per_worker: int | None = None  # None: one per pinned core
+    kv_transport: str = "tcp"  # "tcp" | "shm"
+    disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
+    recompute_on_kv_failure: bool = True
+    max_queue_len: int = 256  # admission queue; beyond it 429
+    tenant_max_cached_blocks: int | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    # Engine knobs for every worker.
+    dtype: str = "auto"
+    quantization: str | None = None
+    block_size: int = 16
+    max_model_len: int | None = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_memory_bytes: int = 1 << 30
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "agg"):
+            raise ValueError(f"mode={self.mode!r} must be 'disagg' or 'agg'")
+        if self.disagg_policy not in ("auto", "always", "never"):
+            raise ValueError(f"disagg_policy={self.disagg_policy!r} must be auto|always|never")
+        if self.decode < 1 or (self.mode == "disagg" and self.prefill < 0):
+            raise ValueError("need at least one decode worker (and prefill >= 0)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port} is not a TCP port")
+
+    def engine_args(self) -> dict[str, object]:
+        return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,
+                "block_size": self.block_size, "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "kv_cache_memory_bytes": self.kv_cache_memory_bytes}

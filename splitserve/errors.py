@@ -66,3 +66,30 @@ class TransferRejected(KVTransferError):
 
 class TransferCancelled(KVTransferError):
     """The transfer was cancelled locally (request aborted, endpoint closed)."""
+
+
+class AdmissionRejected(SplitserveError):
+    """The cluster is over its budget and the admission queue is full (HTTP 429) or no
+    worker can take the request at all (HTTP 503). Retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float, status_code: int = 429) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status_code = status_code
+
+
+class RequestTimeout(SplitserveError):
+    """A request passed its deadline or a stage timeout (queue, prefill, transfer, decode);
+    `stage` names which. It was aborted on every worker and its blocks freed."""
+
+    def __init__(self, message: str, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class WorkerFailed(SplitserveError):
+    """A worker holding the request died or reported an error it could not recover from."""
+
+
+class ProtocolError(SplitserveError):
+    """A process message is malformed, of an unknown kind, or from an unknown sender."""

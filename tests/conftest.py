@@ -130,3 +130,90 @@ def make_llm(tiny_llama_dir: str, engine_defaults: dict[str, Any]) -> Iterator[A
     for llm in made:
         llm.engine.check_invariants()
         assert not llm.engine.has_unfinished
+
+
+class ServerProcess:
+    """`splitserve serve` as a real process on a free port; stopped with SIGTERM."""
+
+    def __init__(self, *flags: str, ready_timeout_s: float = 300.0) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), *flags],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout_s} s: {self.log()}")
+
+    def get_json(self, path: str) -> Any:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def get_text(self, path: str) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return str(r.read().decode())
+
+    def worker_pids(self) -> list[int]:
+        return [int(w["pid"]) for w in self.get_json("/health")["workers"]]
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def start_server() -> Iterator[Any]:
+    """Factory: start_server(*flags) -> ServerProcess; every server is stopped at the end."""
+    servers: list[ServerProcess] = []
+
+    def start(*flags: str) -> ServerProcess:
+        server = ServerProcess(*flags)
+        servers.append(server)
+        return server
+    yield start
+    for server in servers:
+        server.stop()

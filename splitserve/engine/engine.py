@@ -17,7 +17,7 @@ from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError
-from splitserve.kv_cache import BlockHash, KVCacheManager, root_hash
+from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
@@ -33,6 +33,24 @@ class KVRange(NamedTuple):
     block_hashes: list[BlockHash]  # hashes of the full blocks in block_ids
     start_token: int
     end_token: int
+
+
+class StepStats(NamedTuple):
+    """What one engine step computed and how long it took (feeds the router's cost model)."""
+    num_prefill_tokens: int  # prompt tokens computed (prefill chunks)
+    num_decode_seqs: int  # sequences that decoded one token
+    seconds: float
+
+
+class EngineLoad(NamedTuple):
+    """A snapshot of the engine's queue and memory, for load reports."""
+    num_running: int
+    num_waiting: int  # waiting or preempted, to be prefilled here
+    num_waiting_tokens: int  # their prompt tokens not yet computed
+    num_awaiting_kv: int  # WAITING_FOR_KV
+    kv_blocks_used: int
+    kv_blocks_total: int
+    max_num_seqs: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -97,6 +115,7 @@ class LLMEngine:
         self.layer_listener: Callable[[int, ScheduledBatch], None] | None = None
         self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
         self.num_computed_tokens_total = 0  # tokens run through the model (for tests/metrics)
+        self.last_step: StepStats | None = None
         logger.info("engine ready: %s, %d KV blocks of %d tokens, %s on %s", ckpt.path,
                     num_blocks, cache.block_size, self.dtype, self.device)
 
@@ -163,9 +182,11 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         result = self.runner.execute(batch, self._layer_hook(batch))
         updated = self.scheduler.update(batch, result)
+        self.last_step = _step_stats(batch, time.perf_counter() - start)
         return self._outputs(updated, result.sampled, result.num_computed_tokens)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
@@ -190,6 +211,24 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def load(self) -> EngineLoad:
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineLoad(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens
+                                   for r in sched.waiting),
+            num_awaiting_kv=len(sched.awaiting_kv), kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks, max_num_seqs=self.config.scheduler.max_num_seqs)
+
+    # -- KV events: what the router's prefix index is built from --------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache events (stored / removed blocks) since the last call, oldest first."""
+        return self.kv.pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache now (a snapshot for an index resync)."""
+        return self.kv.pool.cached_hashes()
+
     # -- KV connector: what workers use to move KV between engines ------------------------------
     def export_kv(self, request_id: str) -> KVRange:
         """The prompt KV of a finished request held with hold_kv=True."""
@@ -200,6 +239,9 @@ class LLMEngine:
         return KVRange(self.kv.block_table(request_id)[:_blocks(req.num_prompt_tokens,
                                                                   self.block_size)],
                        req.block_hashes[:num_full], 0, req.num_prompt_tokens)
+
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
 
     def release_kv(self, request_id: str) -> None:
         """Frees a held request's blocks; idempotent."""
@@ -252,6 +294,13 @@ class LLMEngine:
             self.scheduler.requests.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ERROR
             self.detokenizer.remove(request_id)
+
+
+def _step_stats(batch: ScheduledBatch, seconds: float) -> StepStats:
+    # NOTE: a one-token sequence that samples is a decode; a one-token last prefill chunk
+    # counts as a decode too, which is what it costs.
+    num_decodes = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.sample is not None)
+    return StepStats(batch.num_tokens - num_decodes, num_decodes, seconds)
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:

@@ -67,13 +67,7 @@ class Detokenizer:
                 req.stop_reason = stop
         st.text = text
         finished = req.is_finished or stop_hit is not None
-        sendable = len(text)
-        if not finished:
-            if text.endswith("\ufffd"):
-                sendable = len(text.rstrip("\ufffd"))
-            if params.stop:
-                sendable = min(sendable, max(0, len(text) - max(map(len, params.stop)) + 1))
-        sendable = max(sendable, st.num_chars_sent)
+        sendable = max(stable_text_len(text, params.stop, finished), st.num_chars_sent)
         out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=text, finished=finished,
@@ -87,6 +81,17 @@ class Detokenizer:
         if finished:
             self.remove(req.request_id)
         return out
+
+
+def stable_text_len(text: str, stops: list[str], finished: bool) -> int:
+    """How much of an output's text can be streamed: all of it once finished; before that,
+    not a trailing incomplete UTF-8 character nor what may still become a stop string."""
+    if finished:
+        return len(text)
+    n = len(text.rstrip("\ufffd"))
+    if stops:
+        n = min(n, max(0, len(text) - max(map(len, stops)) + 1))
+    return n
 
 
 def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:

@@ -142,6 +142,9 @@ class BlockPool:
             num_evicted += self._evict(self._blocks[block_id])
         return num_evicted
 
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
+
     def take_events(self) -> list[KVEvent]:
         """Return and clear the events recorded since the last call, oldest first."""
         events = [pending.freeze() for pending in self._pending]

@@ -168,6 +168,11 @@ class KVSender:
                 finished.append(export.handle)
         return finished
 
+    @property
+    def num_active(self) -> int:
+        """Transfers not yet finished and released."""
+        return len(self._exports)
+
     def cancel(self, request_id: str) -> None:
         """Stops the request's transfer; its KV is released by the next `poll`."""
         export = self._exports.get(request_id)

@@ -1,0 +1,44 @@
+"""What the HTTP frontend needs from whatever serves requests behind it.
+
+`splitserve.cluster.dispatcher.Dispatcher` is the real one (router + worker processes);
+unit tests of the HTTP layer use a fake that implements the same methods.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_model_names: list[str]  # the first is the one /v1/models lists first
+    tokenizer: Tokenizer
+    max_model_len: int
+    created: int  # unix time the server started
+
+
+class Backend(Protocol):
+    model_info: ModelInfo
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Streams the request's deltas; the last has finished=True. Raises (possibly before
+        the first delta) InvalidRequestError (bad prompt, e.g. too long), AdmissionRejected
+        (overloaded: 429/503 + Retry-After), RequestTimeout, WorkerFailed. Closing the
+        iterator early (client gone) aborts the request on every worker."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True when at least one worker of each needed role is up and healthy."""
+        ...
+
+    def health(self) -> dict[str, object]:
+        """A JSON-able summary: workers, their roles and health."""
+        ...
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition text of every splitserve_* metric."""
+        ...

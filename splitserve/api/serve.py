@@ -1,0 +1,91 @@
+"""`splitserve serve`: the frontend process. Starts the cluster (workers as processes),
+then serves the OpenAI-compatible API until Ctrl-C / SIGTERM, then stops every worker."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import logging
+import logging.config
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+
+from splitserve.api.backend import ModelInfo
+from splitserve.api.request_id import log_config
+from splitserve.api.server import build_app
+from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.cluster.launcher import Cluster
+from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.config import ServeConfig
+from splitserve.model.loader import open_checkpoint
+
+logger = logging.getLogger("splitserve.serve")
+
+
+class ClusterBackend:
+    """The HTTP layer's Backend, served by the dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher, model_info: ModelInfo) -> None:
+        self.dispatcher = dispatcher
+        self.model_info = model_info
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        return self.dispatcher.generate(request)
+
+    def is_ready(self) -> bool:
+        return self.dispatcher.is_ready()
+
+    def health(self) -> dict[str, object]:
+        return self.dispatcher.health()
+
+    def metrics_text(self) -> bytes:
+        return self.dispatcher.metrics_text()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus its signal handling: uvicorn re-raises SIGTERM/SIGINT after its own
+    shutdown, which would kill this process before it stops the workers. `serve` installs
+    handlers that ask the server to exit and then stops the cluster itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def model_info(config: ServeConfig, max_model_len: int) -> ModelInfo:
+    ckpt = open_checkpoint(config.model)
+    name = config.served_model_name or os.path.basename(ckpt.path.rstrip("/"))
+    names = [name] if config.model is None or name == config.model else [name, config.model]
+    return ModelInfo(served_model_names=names, tokenizer=ckpt.tokenizer,
+                     max_model_len=max_model_len, created=int(time.time()))
+
+
+async def serve(config: ServeConfig) -> None:
+    import setproctitle
+    setproctitle.setproctitle("splitserve-frontend")
+    cluster = Cluster(config)
+    dispatcher = await cluster.start()
+    try:
+        info = model_info(config, dispatcher.max_model_len)
+        app = build_app(ClusterBackend(dispatcher, info))
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                               log_config=log_config(config.log_level.upper()),
+                                               timeout_graceful_shutdown=5))
+        logger.info("serving %s on http://%s:%d (%s, %d workers)", info.served_model_names[0],
+                    config.host, config.port, config.mode, len(cluster.handles))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        await server.serve()
+    finally:
+        await cluster.stop()
+        logger.info("stopped")
+
+
+def run(config: ServeConfig) -> int:
+    logging.config.dictConfig(log_config(config.log_level.upper()))
+    asyncio.run(serve(config))
+    return 0

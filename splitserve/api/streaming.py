@@ -1,0 +1,125 @@
+"""The client connection: server-sent events, and aborting the generation when the client
+leaves.
+
+The backend aborts a request when its delta iterator is closed, so every path that stops
+reading early closes it: `until_disconnect` (waiting for the first delta or a whole
+non-streaming answer) cancels the read and `EventStreamResponse` closes the event stream,
+which closes the deltas, as soon as the client's `http.disconnect` arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from splitserve.api.errors import ClientDisconnected, api_error
+from splitserve.api.request_id import logger
+from splitserve.api.response_builder import ResponseBuilder
+from splitserve.cluster.stream import StreamDelta
+
+T = TypeVar("T")
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+async def close_iterator(iterator: AsyncIterator[Any]) -> None:
+    """Closes an async generator (running its cleanup: the backend's abort) if it is one."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (or the response is complete). The request body
+    must have been read already: this consumes the remaining ASGI messages."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Runs `work`; if the client disconnects first, cancels it and raises ClientDisconnected.
+
+    NOTE: plain asyncio cancellation, delivered once, so cleanup that awaits (the backend's
+    abort in its generator's `finally`) still runs; an anyio cancel scope would cancel it too.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this coroutine is cancelled: leave nothing running
+        watcher.cancel()
+        task.cancel()
+        await asyncio.wait((task, watcher))
+    if task.cancelled():
+        raise ClientDisconnected("the client disconnected before the response was complete; "
+                                 "the request was aborted")
+    return task.result()
+
+
+async def prepend(first: StreamDelta, rest: AsyncIterator[StreamDelta]
+                  ) -> AsyncGenerator[StreamDelta, None]:
+    """`first`, then `rest`; closing this closes `rest`."""
+    try:
+        yield first
+        async for delta in rest:
+            yield delta
+    finally:
+        await close_iterator(rest)
+
+
+async def sse_events(deltas: AsyncGenerator[StreamDelta, None], builder: ResponseBuilder
+                     ) -> AsyncGenerator[bytes, None]:
+    """The SSE body: one `data:` event per chunk, the usage chunk if asked, then `[DONE]`.
+
+    An error after the stream started cannot change the status any more: it is sent as one
+    `data: {"error": {...}}` event before `[DONE]`.
+    """
+    try:
+        async with contextlib.aclosing(deltas):
+            for chunk in builder.head():
+                yield _event(chunk.model_dump_json())
+            async for delta in deltas:
+                event = builder.add(delta)
+                if event is not None:
+                    yield _event(event.model_dump_json())
+            builder.check_finished()
+            usage = builder.usage_chunk()
+            if usage is not None:
+                yield _event(usage.model_dump_json())
+    except Exception as exc:
+        yield _event(api_error(exc).body().model_dump_json())
+    yield DONE_EVENT
+
+
+def _event(data: str) -> bytes:
+    return b"data: " + data.encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` that closes its events (so the backend aborts) the moment the
+    client disconnects, whatever the ASGI server's spec version, and always closes them when
+    the response ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_disconnect(receive, self._stream(send))
+        except ClientDisconnected:
+            logger.info("client disconnected mid-stream; request aborted")
+        finally:
+            await self._events.aclose()
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # servers on ASGI spec >= 2.4 raise when the client is gone
+            logger.info("client disconnected mid-stream; request aborted")

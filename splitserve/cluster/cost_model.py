@@ -1,0 +1,200 @@
+"""Predicted seconds for the router's costs (DESIGN.md 5): prefill time of t uncached
+tokens, decode step time at n running sequences, and KV transfer time.
+
+Prefill is fitted as `a + b*t + c*t^2` (attention makes long prompts super-linear) by
+least squares over a sliding window of observed (tokens, seconds) samples. A fit is only
+used when it is non-decreasing in t (b >= 0 and c >= 0 on t >= 0); otherwise the linear
+fit `a + b*t` is tried, and failing that the model answers with its fallback (the pooled
+model of all workers) or the configured prior. Predictions are clamped at 0. Fits run
+when samples arrive (every sample while warming up, then every `refit_every`), never
+while predicting, so the router's hot path only evaluates a polynomial.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+# Fits whose scaled design matrix is worse conditioned than this are not trusted.
+_MAX_CONDITION = 1e8
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """Priors used before enough samples are seen, and the fitting window."""
+
+    # Prefill prior: fixed + per-token seconds (1500 tokens/s, 5 ms per step).
+    prefill_fixed_s: float = 0.005
+    prefill_per_token_s: float = 1.0 / 1500
+    # Decode step prior: base + per running sequence seconds.
+    decode_step_base_s: float = 0.02
+    decode_step_per_seq_s: float = 0.004
+    # Samples kept per model (the most recent ones).
+    window: int = 256
+    # Samples needed before a fit replaces the prior or the fallback.
+    min_samples: int = 8
+    # Once 2 * min_samples are in, refit after this many new samples (a fit is ~50 us).
+    refit_every: int = 8
+
+    def __post_init__(self) -> None:
+        if self.refit_every < 1:
+            raise ValueError(f"refit_every={self.refit_every} must be >= 1")
+        if self.window < 3 or self.min_samples < 3 or self.min_samples > self.window:
+            raise ValueError(f"need 3 <= min_samples ({self.min_samples}) <= window "
+                             f"({self.window}) to fit three coefficients")
+        if min(self.prefill_fixed_s, self.prefill_per_token_s, self.decode_step_base_s,
+               self.decode_step_per_seq_s) < 0:
+            raise ValueError("cost model priors must be non-negative seconds")
+
+
+class Quadratic(NamedTuple):
+    """Seconds = a + b*x + c*x^2."""
+
+    a: float
+    b: float
+    c: float
+
+    def __call__(self, x: float) -> float:
+        return max(0.0, self.a + x * (self.b + x * self.c))
+
+
+def transfer_seconds(num_bytes: int, bandwidth_bytes_s: float, latency_s: float) -> float:
+    """Predicted time to move `num_bytes` of KV over a path: latency + bytes / bandwidth."""
+    return latency_s + num_bytes / bandwidth_bytes_s
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray, degree: int) -> Quadratic | None:
+    """Least-squares polynomial of `degree` (1 or 2) in x, or None when ill-conditioned,
+    or decreasing somewhere on x >= 0."""
+    scale = float(x.max())
+    xs = x / scale  # columns of comparable size keep the normal equations well conditioned
+    design = np.stack([xs ** k for k in range(degree + 1)], axis=1)
+    coef, _, rank, singular = np.linalg.lstsq(design, y, rcond=None)
+    if rank < degree + 1 or singular[0] > _MAX_CONDITION * singular[-1]:
+        return None
+    a = float(coef[0])
+    b = float(coef[1]) / scale
+    c = float(coef[2]) / scale ** 2 if degree == 2 else 0.0
+    if b < 0 or c < 0 or (b == 0 and c == 0):
+        return None
+    return Quadratic(a, b, c)
+
+
+class _Samples:
+    """A bounded window of (x, seconds) samples and the fit over them (None: none yet,
+    or none trusted)."""
+
+    def __init__(self, config: CostModelConfig, max_degree: int) -> None:
+        self.config = config
+        self.max_degree = max_degree
+        self.samples: deque[tuple[float, float]] = deque(maxlen=config.window)
+        self.fit: Quadratic | None = None
+        self.num_new = 0  # samples since the last fit
+
+    def add(self, x: int, seconds: float) -> bool:
+        """Record a sample; refits when due. Returns True when the fit changed."""
+        if x <= 0 or not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"sample ({x}, {seconds}) needs a positive count and finite "
+                             f"non-negative seconds")
+        self.samples.append((float(x), seconds))
+        self.num_new += 1
+        # NOTE: fitted here, not on predict, so routing never pays for a fit.
+        warming_up = len(self.samples) < 2 * self.config.min_samples
+        if self.num_new < (1 if warming_up else self.config.refit_every):
+            return False
+        self.num_new = 0
+        old, self.fit = self.fit, self._refit()
+        return self.fit != old
+
+    def _refit(self) -> Quadratic | None:
+        if len(self.samples) < self.config.min_samples:
+            return None
+        data = np.array(self.samples)  # [num_samples, 2]
+        x, y = data[:, 0], data[:, 1]
+        num_distinct = len(np.unique(x))
+        for degree in range(min(self.max_degree, num_distinct - 1), 0, -1):
+            fit = _lstsq(x, y, degree)
+            if fit is not None:
+                return fit
+        return None
+
+
+class PrefillCostModel:
+    """Seconds to prefill t uncached tokens on one worker (or pooled over workers)."""
+
+    def __init__(self, config: CostModelConfig,
+                 fallback: PrefillCostModel | None = None) -> None:
+        self._samples = _Samples(config, max_degree=2)
+        self._fallback = fallback
+        self._prior = Quadratic(config.prefill_fixed_s, config.prefill_per_token_s, 0.0)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples.samples)
+
+    @property
+    def is_fitted(self) -> bool:
+        """True when predictions come from this model's own samples."""
+        return self._samples.fit is not None
+
+    @property
+    def coefficients(self) -> Quadratic:
+        """The curve in use: own fit, else the fallback's, else the prior."""
+        fit = self._samples.fit
+        if fit is not None:
+            return fit
+        return self._fallback.coefficients if self._fallback is not None else self._prior
+
+    def observe(self, num_tokens: int, seconds: float) -> bool:
+        """Record a measured prefill of `num_tokens` tokens (one request's prompt);
+        True when the fitted curve changed."""
+        return self._samples.add(num_tokens, seconds)
+
+    def predict(self, num_tokens: int) -> float:
+        """Predicted seconds; 0 for no tokens, never negative, non-decreasing in t."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.coefficients(num_tokens)
+
+    def predict_queue(self, num_seqs: int, num_tokens: int) -> float:
+        """Seconds to prefill `num_seqs` queued prompts totalling `num_tokens` tokens,
+        assuming equal lengths (the quadratic term is per prompt, not per queue)."""
+        if num_seqs <= 0 or num_tokens <= 0:
+            return 0.0
+        return num_seqs * self.predict(-(-num_tokens // num_seqs))
+
+
+class DecodeStepModel:
+    """Seconds of one decode step with n running sequences: `a + b*n`, fitted like
+    `PrefillCostModel` (linear only)."""
+
+    def __init__(self, config: CostModelConfig, fallback: DecodeStepModel | None = None) -> None:
+        self._samples = _Samples(config, max_degree=1)
+        self._fallback = fallback
+        self._prior = Quadratic(config.decode_step_base_s, config.decode_step_per_seq_s, 0.0)
+
+    @property
+    def is_fitted(self) -> bool:
+        """True when predictions come from this model's own samples."""
+        return self._samples.fit is not None
+
+    @property
+    def coefficients(self) -> Quadratic:
+        """The line in use (c == 0): own fit, else the fallback's, else the prior."""
+        fit = self._samples.fit
+        if fit is not None:
+            return fit
+        return self._fallback.coefficients if self._fallback is not None else self._prior
+
+    def observe(self, num_seqs: int, seconds: float) -> bool:
+        """Record a measured decode step over `num_seqs` sequences; True when the fitted
+        line changed."""
+        return self._samples.add(num_seqs, seconds)
+
+    def predict(self, num_seqs: int) -> float:
+        """Predicted seconds of one step; 0 with nothing running."""
+        if num_seqs <= 0:
+            return 0.0
+        return self.coefficients(num_seqs)

@@ -1,0 +1,465 @@
+"""The frontend's side of the cluster: admits requests, asks the router where they go,
+drives them through the workers and merges their outputs into one stream per request.
+
+    generate(req) --admission--> router.route --> decode worker D: Generate(await_kv)
+                                              \\-> D answers KVPlanReady --> prefill worker
+                                                  P: Prefill(plan) --> P streams KV to D
+    P's first token --\\
+    D's tokens --------+--> StreamMerger --> StreamDelta --> the HTTP layer
+
+One ZeroMQ ROUTER socket talks to every worker (cluster/protocol.py). A reaper task
+enforces the request deadline and the per-stage timeouts (queue, prefill, KV, decode
+step) and notices silent workers; nothing waits without a limit. The dispatcher runs in
+the frontend's asyncio loop; the router is plain logic called from that loop only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+
+import zmq
+import zmq.asyncio
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.metrics import Metrics
+from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
+from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger, WorkerOutput
+from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
+from splitserve.config import DeadlineConfig
+from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
+                               RequestTimeout, WorkerFailed)
+from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
+
+logger = logging.getLogger(__name__)
+
+REAPER_PERIOD_S = 0.05
+_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
+
+
+class Stage(IntEnum):
+    QUEUED = 0  # waiting for admission
+    PREFILL = 1  # dispatched, no token yet
+    DECODE = 2  # streaming
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request in the cluster: where it runs, its stream, its deadlines."""
+    request: GenerateRequest
+    arrival: float
+    deadline: float
+    stage_deadline: float
+    stage: Stage = Stage.QUEUED
+    queue: asyncio.Queue[WorkerOutput | BaseException] = field(default_factory=asyncio.Queue)
+    merger: StreamMerger = field(default_factory=StreamMerger)
+    decision: RouteDecision | None = None
+    workers: set[bytes] = field(default_factory=set)  # identities holding state for it
+    done_workers: set[bytes] = field(default_factory=set)  # reported it finished
+    prefill_worker: bytes | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class Dispatcher:
+    def __init__(self, router: Router, deadlines: DeadlineConfig, *,
+                 max_queue_len: int = 256, recompute_on_kv_failure: bool = True,
+                 metrics: Metrics | None = None) -> None:
+        self.router = router
+        self.deadlines = deadlines
+        self.max_queue_len = max_queue_len
+        self.recompute_on_kv_failure = recompute_on_kv_failure
+        self.metrics = metrics or Metrics()
+        self.table = WorkerTable()
+        self.flights: dict[str, _Flight] = {}
+        self.num_queued = 0
+        self.max_model_len = 0
+        self.block_size = 16
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._capacity = asyncio.Condition()
+        self._registered = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._roots: dict[str | None, bytes] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="dispatcher-receive"),
+                       asyncio.create_task(self._reaper_loop(), name="dispatcher-reaper")]
+
+    async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.table.workers) < num_workers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(self.table.workers)} of {num_workers} workers "
+                                   f"registered within {timeout_s:g} s")
+            self._registered.clear()
+            try:
+                await asyncio.wait_for(self._registered.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        for identity in list(self.table.workers):
+            self._send(identity, P.Shutdown())
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for flight in self.flights.values():
+            flight.queue.put_nowait(WorkerFailed("the server is shutting down"))
+        self.sock.close()
+        self.ctx.term()
+
+    # -- the request path -----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        flight = self._admit(request)
+        outcome = "error"
+        try:
+            await self._place(flight)
+            while True:
+                item = await flight.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                delta = flight.merger.merge(item)
+                if delta is None:
+                    continue
+                self._on_delta(flight, delta)
+                yield delta
+                if delta.finished:
+                    outcome = delta.finish_reason or "stop"
+                    return
+        except RequestTimeout:
+            outcome = "timeout"
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "abort"  # the client went away
+            raise
+        finally:
+            self._retire(flight, outcome)
+
+    def _admit(self, request: GenerateRequest) -> _Flight:
+        rid, n = request.request_id, len(request.prompt_token_ids)
+        if rid in self.flights:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight",
+                                      field="request_id")
+        if n == 0:
+            raise InvalidRequestError("prompt is empty", field="prompt")
+        if self.max_model_len and n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, leaving no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten it or raise --max-model-len", field="prompt")
+        if not self.table.healthy(("decode", "both")):
+            self.metrics.admission_rejections.labels("503").inc()
+            raise AdmissionRejected("no decode worker is up", retry_after_s=5.0,
+                                    status_code=503)
+        if request.params.seed is None:
+            # Drawn here so every worker that touches the request samples identically.
+            request.params = replace(request.params, seed=random.getrandbits(63))
+        now = time.monotonic()
+        timeout = request.timeout_s or self.deadlines.request_timeout_s
+        flight = _Flight(request, now, now + timeout, now + self.deadlines.queue_timeout_s)
+        self.flights[rid] = flight
+        self.metrics.prompt_tokens.inc(n)
+        return flight
+
+    async def _place(self, flight: _Flight) -> None:
+        req = flight.request
+        route_req = RouteRequest(
+            request_id=req.request_id, block_hashes=self._hashes(req),
+            num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.params.max_tokens,
+            tenant=req.tenant)
+        decision = self._route(route_req)
+        if decision is None:
+            if self.num_queued >= self.max_queue_len:
+                self.metrics.admission_rejections.labels("429").inc()
+                raise AdmissionRejected(
+                    f"server overloaded: {self.num_queued} requests already queued",
+                    retry_after_s=self.router.retry_after_s(self.num_queued))
+            self.num_queued += 1
+            try:
+                async with self._capacity:
+                    while decision is None:
+                        left = flight.stage_deadline - time.monotonic()
+                        if left <= 0:
+                            raise RequestTimeout(
+                                f"no worker had room within {self.deadlines.queue_timeout_s:g} s"
+                                " (queue timeout)", stage="queue")
+                        try:
+                            await asyncio.wait_for(self._capacity.wait(), min(left, 0.5))
+                        except TimeoutError:
+                            pass
+                        decision = self._route(route_req)
+            finally:
+                self.num_queued -= 1
+        self.metrics.queue_time.labels("admission").observe(time.monotonic() - flight.arrival)
+        self.router.on_dispatched(decision, route_req)
+        flight.decision = decision
+        flight.stage = Stage.PREFILL
+        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
+        self._dispatch(flight, decision)
+
+    def _route(self, route_req: RouteRequest) -> RouteDecision | None:
+        t0 = time.perf_counter()
+        decision = self.router.route(route_req)
+        self.metrics.router_seconds.observe(time.perf_counter() - t0)
+        if decision is not None:
+            self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
+        return decision
+
+    def _dispatch(self, flight: _Flight, decision: RouteDecision) -> None:
+        req = flight.request
+        decode = self.table.by_id[decision.decode_worker]
+        remote = decision.prefill_worker is not None
+        if decision.prefill_worker is not None:
+            flight.prefill_worker = self.table.by_id[decision.prefill_worker].identity
+        flight.workers.add(decode.identity)
+        decode.request_ids.add(req.request_id)
+        self._send(decode.identity, P.Generate(
+            req.request_id, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
+            kv_timeout_s=self.deadlines.kv_timeout_s,
+            recompute_on_failure=self.recompute_on_kv_failure))
+
+    def _on_kv_plan(self, msg: P.KVPlanReady) -> None:
+        flight = self.flights.get(msg.request_id)
+        if flight is None or flight.prefill_worker is None:
+            return
+        prefill = self.table.get(flight.prefill_worker)
+        if prefill is None or not prefill.healthy:
+            flight.queue.put_nowait(WorkerFailed("the prefill worker left before the KV plan"))
+            return
+        req = flight.request
+        flight.workers.add(prefill.identity)
+        prefill.request_ids.add(req.request_id)
+        self._send(prefill.identity, P.Prefill(req.request_id, req.prompt_token_ids,
+                                               req.params, req.namespace, msg.plan))
+
+    def _on_delta(self, flight: _Flight, delta: StreamDelta) -> None:
+        now, m = time.monotonic(), self.metrics
+        if delta.token_ids:
+            m.generation_tokens.inc(len(delta.token_ids))
+            if flight.first_token_at is None:
+                flight.first_token_at = now
+                m.ttft.observe(now - flight.arrival)
+            elif flight.last_token_at is not None:
+                m.itl.observe(now - flight.last_token_at)
+            flight.last_token_at = now
+            flight.stage = Stage.DECODE
+            flight.stage_deadline = now + self.deadlines.decode_step_timeout_s
+
+    def _retire(self, flight: _Flight, outcome: str) -> None:
+        rid = flight.request.request_id
+        self.flights.pop(rid, None)
+        self.router.on_finished(rid)
+        for identity in flight.workers - flight.done_workers:
+            self._send(identity, P.Abort(rid))
+        for identity in flight.workers:
+            info = self.table.get(identity)
+            if info is not None:
+                info.request_ids.discard(rid)
+        m, now = self.metrics, time.monotonic()
+        m.requests.labels(outcome).inc()
+        num_out = flight.merger.num_tokens
+        if flight.first_token_at is not None and outcome in ("stop", "length"):
+            m.e2e.observe(now - flight.arrival)
+            if num_out > 1:
+                m.tpot.observe((now - flight.first_token_at) / (num_out - 1))
+        self._notify_capacity()
+
+    def _hashes(self, req: GenerateRequest) -> list[bytes]:
+        fingerprint = self.table.fingerprint
+        if fingerprint is None:
+            return []
+        if req.namespace not in self._roots:
+            self._roots[req.namespace] = root_hash(fingerprint, req.namespace)
+        return hash_full_blocks(self._roots[req.namespace], req.prompt_token_ids,
+                                self.block_size)
+
+    # -- messages from workers ------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            identity, frame = await self.sock.recv_multipart()
+            try:
+                self._on_message(identity, P.decode(frame))
+            except ProtocolError as exc:
+                logger.warning("refused a message from %r: %s", identity, exc)
+            except Exception:  # one bad message must not stop the frontend
+                logger.exception("failed to handle a message from %r", identity)
+
+    def _on_message(self, identity: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.WorkerReady):
+            self._on_ready(identity, msg)
+            return
+        worker = self.table.get(identity)
+        if worker is None:
+            raise ProtocolError("message from an unregistered or replaced worker")
+        worker.last_seen = time.monotonic()
+        if isinstance(msg, P.Output):
+            self._on_output(worker, msg)
+        elif isinstance(msg, P.KVPlanReady):
+            self._on_kv_plan(msg)
+        elif isinstance(msg, P.RequestFailed):
+            self._on_failed(worker, msg)
+        elif isinstance(msg, P.LoadReport):
+            self._on_load(worker, msg)
+        elif isinstance(msg, P.KVEventBatch):
+            if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
+                self._send(identity, P.ResyncKV())
+        elif isinstance(msg, P.KVSnapshot):
+            self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
+        elif isinstance(msg, P.TransferReport):
+            self.metrics.observe_transfer(msg.telemetry, msg.error)
+        else:
+            raise ProtocolError(f"workers do not send {type(msg).__name__}")
+
+    def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
+        info = self.table.register(identity, msg)
+        self.block_size = msg.block_size
+        self.max_model_len = (msg.max_model_len if not self.max_model_len
+                              else min(self.max_model_len, msg.max_model_len))
+        self.router.add_worker(msg.worker_id, _ROLES[msg.role], WorkerLoad(
+            0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
+        self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
+        self._count_workers()
+        logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
+                    msg.num_blocks)
+        self._registered.set()
+        del info
+
+    def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
+        flight = self.flights.get(msg.request_id)
+        if flight is None:
+            return
+        if msg.finished:
+            flight.done_workers.add(worker.identity)
+        flight.queue.put_nowait(WorkerOutput(
+            msg.token_offset, msg.token_ids, msg.text_offset, msg.text, msg.logprobs_offset,
+            msg.logprobs, msg.finished, msg.finish_reason, msg.stop_reason,
+            msg.num_prompt_tokens, msg.num_cached_tokens))
+
+    def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
+        self.metrics.failures.labels(msg.kind).inc()
+        flight = self.flights.get(msg.request_id)
+        if flight is None:
+            return
+        flight.done_workers.add(worker.identity)
+        error: Exception
+        if msg.kind == "InvalidRequestError":
+            error = InvalidRequestError(msg.message, field=msg.field)
+        else:
+            error = WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}")
+        flight.queue.put_nowait(error)
+
+    def _on_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
+        wid, m = worker.worker_id, self.metrics
+        load = WorkerLoad(msg.num_running, msg.num_waiting + msg.num_awaiting_kv,
+                          msg.num_waiting_tokens, msg.kv_blocks_used, msg.kv_blocks_total,
+                          worker.ready.max_num_seqs)
+        self.router.update_load(wid, load)
+        for num_prefill, num_decode, seconds in msg.steps:
+            if num_prefill and not num_decode:
+                self.router.observe_prefill(wid, int(num_prefill), seconds)
+            elif num_decode and not num_prefill:
+                self.router.observe_decode_step(wid, int(num_decode), seconds)
+        m.observe_steps(wid, msg.steps)
+        m.kv_blocks_used.labels(wid).set(msg.kv_blocks_used)
+        m.kv_blocks_total.labels(wid).set(msg.kv_blocks_total)
+        m.running.labels(wid).set(msg.num_running)
+        m.waiting.labels(wid).set(msg.num_waiting)
+        _set_counter(m.prefix_hit_tokens.labels(wid, "device"), msg.num_prefix_hit_tokens)
+        _set_counter(m.prefix_query_tokens.labels(wid), msg.num_prompt_tokens)
+        m.index_blocks.set(self.router.num_indexed_blocks)
+        self._notify_capacity()
+
+    # -- deadlines and health -------------------------------------------------------------------
+    async def _reaper_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REAPER_PERIOD_S)
+            now = time.monotonic()
+            for flight in list(self.flights.values()):
+                if flight.stage is Stage.QUEUED:
+                    continue  # the admission wait enforces its own deadline
+                if now >= flight.deadline:
+                    self._expire(flight, "request", "the request deadline")
+                elif now >= flight.stage_deadline:
+                    self._expire(flight, flight.stage.name.lower(), "a stage timeout")
+            for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
+                self.mark_dead(worker.identity, "missed its heartbeat deadline")
+
+    def _expire(self, flight: _Flight, stage: str, what: str) -> None:
+        flight.stage_deadline = flight.deadline = float("inf")  # report once
+        self.metrics.failures.labels(f"timeout_{stage}").inc()
+        flight.queue.put_nowait(RequestTimeout(
+            f"request {flight.request.request_id} passed {what} in stage {stage}", stage=stage))
+
+    def mark_dead(self, identity: bytes, why: str) -> None:
+        """Takes a worker out of routing and fails the requests it held."""
+        worker = self.table.get(identity)
+        if worker is None or not worker.healthy:
+            return
+        logger.error("worker %s %s; removing it", worker.worker_id, why)
+        worker.healthy = False
+        self.router.remove_worker(worker.worker_id)
+        self.metrics.failures.labels("worker_dead").inc()
+        for rid in list(worker.request_ids):
+            flight = self.flights.get(rid)
+            if flight is not None:
+                flight.queue.put_nowait(WorkerFailed(f"worker {worker.worker_id} {why}"))
+        self.table.remove(identity)
+        self._count_workers()
+
+    def _count_workers(self) -> None:
+        self.metrics.workers.clear()
+        for w in self.table.workers.values():
+            self.metrics.workers.labels(w.role, "healthy" if w.healthy else "unhealthy").inc()
+
+    def _notify_capacity(self) -> None:
+        async def notify() -> None:
+            async with self._capacity:
+                self._capacity.notify_all()
+        if self.num_queued:
+            asyncio.get_running_loop().create_task(notify())
+
+    def _send(self, identity: bytes, msg: P.Message) -> None:
+        kind = type(msg).__name__
+
+        def check(fut: asyncio.Future[object]) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is not None:  # the worker is gone (ROUTER_MANDATORY) or stuck
+                logger.warning("could not send %s to %r: %s", kind, identity, exc)
+        try:
+            fut = self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send %s to %r: %s", kind, identity, exc)
+            return
+        fut.add_done_callback(check)  # type: ignore[attr-defined]
+
+    # -- what the HTTP layer asks besides requests ----------------------------------------------
+    def is_ready(self) -> bool:
+        if self.table.healthy(("both",)):
+            return True
+        return bool(self.table.healthy(("decode",)))
+
+    def health(self) -> dict[str, object]:
+        return {"workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy,
+                             "pid": w.ready.pid, "requests": len(w.request_ids)}
+                            for w in self.table.workers.values()],
+                "in_flight": len(self.flights), "queued": self.num_queued}
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+
+def _set_counter(counter: object, value: float) -> None:
+    """Counters from workers arrive as cumulative totals: advance to the reported value."""
+    current = counter._value.get()  # type: ignore[attr-defined]
+    if value > current:
+        counter.inc(value - current)  # type: ignore[attr-defined]

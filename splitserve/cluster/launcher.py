@@ -1,0 +1,105 @@
+"""Brings a cluster up and down: the dispatcher, the router and the worker processes that
+`ServeConfig` asks for, started through a Runtime and watched while they run."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.cluster.router import Router, RouterConfig
+from splitserve.cluster.runtime import Runtime, WorkerHandle, WorkerSpec, get_runtime, split_cores
+from splitserve.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+WATCH_PERIOD_S = 0.5
+
+
+def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
+    """One spec per worker: prefill workers first, then decode (or `both` in agg mode),
+    each pinned to its share of this process's cores unless `worker_cores` says otherwise."""
+    pools = ([("prefill", config.prefill), ("decode", config.decode)]
+             if config.mode == "disagg" else [("both", config.decode)])
+    if config.worker_cores is not None:
+        flat = [tuple(c) for c in config.worker_cores]
+        if len(flat) != sum(n for _, n in pools):
+            raise ValueError(f"worker_cores lists {len(flat)} core sets for "
+                             f"{sum(n for _, n in pools)} workers")
+        cores, pos = [], 0
+        for _, n in pools:
+            cores.append(flat[pos:pos + n])
+            pos += n
+    else:
+        cores = split_cores(sorted(os.sched_getaffinity(0)), [n for _, n in pools])
+    specs = []
+    for (role, n), pool_cores in zip(pools, cores):
+        for index in range(n):
+            engine_args = dict(config.engine_args())
+            if config.threads_per_worker:
+                engine_args["num_threads"] = config.threads_per_worker
+            specs.append(WorkerSpec(role=role, index=index, epoch=1,
+                                    frontend_address=frontend_address, engine_args=engine_args,
+                                    cpu_cores=pool_cores[index] or None,
+                                    kv_transport=config.kv_transport))
+    return specs
+
+
+class Cluster:
+    def __init__(self, config: ServeConfig, runtime: Runtime | None = None) -> None:
+        self.config = config
+        self.runtime = runtime or get_runtime(config.runtime)
+        self.handles: list[WorkerHandle] = []
+        self.dispatcher: Dispatcher | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> Dispatcher:
+        cfg = self.config
+        router = Router(RouterConfig(
+            block_size=cfg.block_size, disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
+            tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
+            max_queue_len=cfg.max_queue_len,
+            tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
+        dispatcher = self.dispatcher = Dispatcher(
+            router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
+            recompute_on_kv_failure=cfg.recompute_on_kv_failure)
+        dispatcher.start()
+        specs = worker_specs(cfg, dispatcher.address)
+        try:
+            for spec in specs:
+                self.handles.append(self.runtime.start_worker(spec))
+            await self._wait_registered(len(specs))
+        except BaseException:
+            await self.stop()
+            raise
+        self._watch = asyncio.create_task(self._watch_loop(), name="cluster-watch")
+        return dispatcher
+
+    async def _wait_registered(self, num: int) -> None:
+        assert self.dispatcher is not None
+        waiting = asyncio.create_task(self.dispatcher.wait_for_workers(
+            num, self.config.deadlines.worker_start_timeout_s))
+        while not waiting.done():
+            dead = [h.spec.worker_id for h in self.handles if not self.runtime.is_alive(h)]
+            if dead:
+                waiting.cancel()
+                raise RuntimeError(f"workers {dead} exited while starting; see their log")
+            await asyncio.wait({waiting}, timeout=WATCH_PERIOD_S)
+        waiting.result()
+
+    async def _watch_loop(self) -> None:
+        """A worker process that exits is dead at once (no need to wait for heartbeats)."""
+        assert self.dispatcher is not None
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            for handle in self.handles:
+                if not self.runtime.is_alive(handle):
+                    self.dispatcher.mark_dead(handle.spec.identity, "exited")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        await asyncio.to_thread(self.runtime.shutdown, self.handles)
+        self.handles = []

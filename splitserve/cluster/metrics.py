@@ -1,0 +1,110 @@
+"""Prometheus metrics of the frontend (DESIGN.md 8), all named `splitserve_*`.
+
+Latencies follow vLLM's benchmark definitions: TTFT = arrival -> first token streamed;
+TPOT = (E2E - TTFT) / (output tokens - 1); ITL = every gap between streamed tokens.
+Worker-side numbers (KV blocks, batch sizes, prefix hits, transfers) arrive in load and
+transfer reports and are recorded here with a `worker` label.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+            2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                  0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splitserve_requests", "Finished requests by outcome "
+                                "(stop, length, abort, error, timeout, rejected)",
+                                ["outcome"], registry=r)
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "TTFT",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("splitserve_time_per_output_token_seconds",
+                              "TPOT = (E2E - TTFT) / (output tokens - 1)",
+                              buckets=_TOKEN_LATENCY, registry=r)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds",
+                             "Every gap between streamed tokens", buckets=_TOKEN_LATENCY,
+                             registry=r)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival -> last token",
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("splitserve_queue_time_seconds",
+                                    "Time waiting per phase: admission (frontend queue), "
+                                    "prefill (dispatch -> first token), kv (decode worker "
+                                    "waiting for the imported KV)", ["phase"],
+                                    buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens",
+                                         "Output tokens streamed", registry=r)
+        self.prefix_hit_tokens = Counter("splitserve_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from a prefix cache, by worker "
+                                         "and tier", ["worker", "tier"], registry=r)
+        self.prefix_query_tokens = Counter("splitserve_prefix_cache_query_tokens",
+                                           "Prompt tokens looked up in a prefix cache",
+                                           ["worker"], registry=r)
+        self.kv_blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks in use",
+                                    ["worker"], registry=r)
+        self.kv_blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks in the pool",
+                                     ["worker"], registry=r)
+        self.running = Gauge("splitserve_worker_running_requests", "Running sequences",
+                             ["worker"], registry=r)
+        self.waiting = Gauge("splitserve_worker_waiting_requests", "Queued sequences",
+                             ["worker"], registry=r)
+        self.prefill_batch = Histogram("splitserve_prefill_batch_tokens",
+                                       "Prompt tokens per engine step", ["worker"],
+                                       buckets=_BATCH, registry=r)
+        self.decode_batch = Histogram("splitserve_decode_batch_size",
+                                      "Decoding sequences per engine step", ["worker"],
+                                      buckets=_BATCH, registry=r)
+        self.transfers = Counter("splitserve_kv_transfers", "KV transfers by side and outcome",
+                                 ["side", "outcome"], registry=r)
+        self.transfer_bytes = Counter("splitserve_kv_transfer_bytes", "Bytes on the wire "
+                                      "(sender side)", registry=r)
+        self.transfer_time = Histogram("splitserve_kv_transfer_seconds",
+                                       "Per-transfer stage times (DESIGN 4.3 telemetry)",
+                                       ["stage"], buckets=_LATENCY, registry=r)
+        self.router_decisions = Counter("splitserve_router_decisions",
+                                        "Placement decisions by reason", ["decision"],
+                                        registry=r)
+        self.router_seconds = Histogram("splitserve_router_decision_seconds",
+                                        "Time to route one request",
+                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2),
+                                        registry=r)
+        self.admission_rejections = Counter("splitserve_admission_rejections",
+                                            "Requests refused at admission", ["status"],
+                                            registry=r)
+        self.failures = Counter("splitserve_failures", "Failures by kind", ["kind"],
+                                registry=r)
+        self.workers = Gauge("splitserve_workers", "Workers by role and health",
+                             ["role", "state"], registry=r)
+        self.index_blocks = Gauge("splitserve_router_indexed_blocks",
+                                  "Distinct block hashes in the router's prefix index",
+                                  registry=r)
+
+    def observe_steps(self, worker: str, steps: list[list[float]]) -> None:
+        for num_prefill, num_decode, _ in steps:
+            if num_prefill:
+                self.prefill_batch.labels(worker).observe(num_prefill)
+            if num_decode:
+                self.decode_batch.labels(worker).observe(num_decode)
+
+    def observe_transfer(self, record: dict[str, Any], error: str | None) -> None:
+        side = str(record.get("side", "?"))
+        self.transfers.labels(side, "ok" if error is None else error).inc()
+        if side == "sender":
+            self.transfer_bytes.inc(float(record.get("wire_bytes", 0)))
+            for stage in ("pack_s", "queue_s", "wire_s", "validate_s", "place_s", "total_s",
+                          "exposed_s"):
+                self.transfer_time.labels(stage.removesuffix("_s")).observe(
+                    float(record.get(stage, 0.0)))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,298 @@
+"""The KV-aware router (DESIGN.md 5): places each request on a decode worker, and
+decides whether a prefill worker computes its prompt first (conditional
+disaggregation). Pure logic: no sockets, threads or I/O (the clock is injectable and
+read only for the service rate); the caller serializes calls.
+
+    router = Router(RouterConfig(...))
+    router.add_worker("p0", Role.PREFILL, load); router.add_worker("d0", Role.DECODE, load)
+    router.apply_events(worker_id, seq, events)   # False: fetch a snapshot, then
+    router.apply_snapshot(worker_id, seq, hashes)
+    router.update_load(worker_id, load); router.observe_prefill(worker_id, tokens, s)
+    decision = router.route(req)                  # None: all over budget -> admission queue
+    router.on_dispatched(decision, req) ... router.on_finished(req.request_id)
+    router.take_evictions()                       # tenant cap: hashes to evict per worker
+    router.retry_after_s(num_queued)              # for a 429 when the queue is full
+
+Costs are seconds (lower is better). For worker w with `cached` prompt tokens in the
+index (the last block is always recomputed, as the engine does) and `u = T - cached`:
+
+    prefill(w) = full(T) - locality_weight * (full(T) - full(u))      full = cost model
+    load(w)    = queue(w) + step(w) + stall(w)
+                 queue: w's waiting prompts through its cost model
+                 step:  one decode step with w's running sequences + this one
+                 stall: local prefill only: num_running * full(u) / tpot_window_tokens,
+                        the TPOT its running sequences lose (the prefill's time spread
+                        over the tokens their TPOT is averaged over)
+    memory(w)  = memory_pressure_s * x / (1 - x), x = KV usage with the prompt placed
+    local(D)       = prefill(D) + load_weight * load(D) + memory_weight * memory(D)
+    remote(P, D)   = prefill(P) + load_weight * queue(P) + memory_weight * memory(P)
+                   + transfer(KV bytes of D's uncached tokens)
+                   + load_weight * step(D) + memory_weight * memory(D)
+
+scoring.py evaluates these for all workers at once. A worker is over budget when
+running + waiting >= max_num_seqs or its free KV blocks
+cannot hold the prompt's uncached blocks. Policy AUTO takes the cheaper of the best local
+and best remote option, except that a local prefill that would lift D's running
+sequences over `tpot_slo_s` (step + full(u) / tpot_window_tokens) is not allowed; with
+every prefill worker over budget it prefills locally. ALWAYS is remote or None, NEVER is
+local. Without prefill workers (all BOTH) it picks the cheapest worker (AGGREGATED).
+
+Tenant cap: the index counts each tenant's distinct cached blocks (claimed when its
+requests are dispatched). Prefix credit is kept for a tenant over its cap (denying it
+would only recompute, and store, more of its blocks); instead `take_evictions()` drops
+the tenant's least recently used blocks from the index and returns them per worker for
+the caller to evict there.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from splitserve.kv_cache.block_hash import BlockHash
+from splitserve.kv_cache.events import KVEvent
+
+from .admission import ServiceRate, retry_after_s
+from .cost_model import DecodeStepModel, PrefillCostModel
+from .indexer import PrefixIndex
+from .placement import RouteDecision, RouteReason, RouteRequest
+from .router_config import DisaggPolicy, RouterConfig
+from .scoring import WorkerColumns, WorkerTerms, argmin_where, score
+from .worker_load import InFlight, Role, WorkerLoad, WorkerState
+
+__all__ = ["Router", "RouterConfig", "RouterStats", "DisaggPolicy", "Role", "WorkerLoad",
+           "RouteRequest", "RouteDecision", "RouteReason"]
+
+_IS_PREFILL = WorkerTerms._fields.index("is_prefill")
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters for metrics."""
+
+    num_routed: int = 0
+    num_unplaced: int = 0  # route() returned None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    reasons: dict[RouteReason, int] = field(default_factory=dict)
+    num_indexed_blocks: int = 0
+    num_index_entries: int = 0
+
+
+class Router:
+    """Places requests; see the module docstring for the cost model and policies."""
+
+    def __init__(self, config: RouterConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or RouterConfig()
+        self._clock = clock
+        self._finished = ServiceRate(self.config.service_rate_window_s)
+        self.index = PrefixIndex()
+        self._workers: dict[str, WorkerState] = {}
+        self._pooled_prefill = PrefillCostModel(self.config.cost)
+        self._pooled_decode = DecodeStepModel(self.config.cost)
+        self._in_flight: dict[str, tuple[str, ...]] = {}  # request id -> its workers
+        self._columns = WorkerColumns()
+        self._stale: set[str] = set()  # workers whose column must be rebuilt before scoring
+        self._stats = RouterStats()
+
+    # -- membership, load, events, timings -------------------------------------------------
+    def add_worker(self, worker_id: str, role: Role, load: WorkerLoad) -> None:
+        """Register a worker (again: its role and load are replaced, its index kept)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            self._workers[worker_id] = WorkerState.create(
+                role, load, self.config.cost, self._pooled_prefill, self._pooled_decode)
+        else:
+            worker.role = role
+            worker.report(load)
+        # Columns are in registration order, so ties go to the first registered worker.
+        self._columns.set(worker_id, self._workers[worker_id].terms())
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and every index entry it had; unknown ids are ignored."""
+        self._workers.pop(worker_id, None)
+        self._columns.remove(worker_id)
+        self._stale.discard(worker_id)
+        self.index.remove_worker(worker_id)
+
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
+    def update_load(self, worker_id: str, load: WorkerLoad) -> None:
+        """A load report; it replaces the in-flight tally (see worker_load.py)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.report(load)
+            self._stale.add(worker_id)
+
+    def apply_events(self, worker_id: str, seq: int, events: Sequence[KVEvent]) -> bool:
+        """Feed a batch of KV events; False: the caller must fetch a snapshot from the
+        worker. Events of unregistered workers (e.g. late ones of a removed worker)
+        are dropped and return True."""
+        if worker_id not in self._workers:
+            return True
+        return self.index.apply(worker_id, seq, events)
+
+    def apply_snapshot(self, worker_id: str, seq: int, block_hashes: Sequence[BlockHash]) -> None:
+        """Replace what the index knows of a worker by its full list of cached hashes."""
+        if worker_id in self._workers:
+            self.index.apply_snapshot(worker_id, seq, block_hashes)
+
+    def observe_prefill(self, worker_id: str, num_tokens: int, seconds: float) -> None:
+        """A measured prefill of `num_tokens` uncached tokens on a worker."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            if worker.prefill_model.observe(num_tokens, seconds):
+                self._stale.add(worker_id)
+            if self._pooled_prefill.observe(num_tokens, seconds):
+                # Unfitted workers predict with the pooled model.
+                self._stale.update(w for w, state in self._workers.items()
+                                   if not state.prefill_model.is_fitted)
+
+    def observe_decode_step(self, worker_id: str, num_seqs: int, seconds: float) -> None:
+        """A measured decode step over `num_seqs` sequences on a worker."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            if worker.decode_model.observe(num_seqs, seconds):
+                self._stale.add(worker_id)
+            if self._pooled_decode.observe(num_seqs, seconds):
+                self._stale.update(w for w, state in self._workers.items()
+                                   if not state.decode_model.is_fitted)
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(self, req: RouteRequest) -> RouteDecision | None:
+        """Pick the decode worker and, if any, the prefill worker; None when no placement
+        is within budget (the caller queues the request)."""
+        decision = self._route(req)
+        stats = self._stats
+        if decision is None:
+            stats.num_unplaced += 1
+        else:
+            stats.num_routed += 1
+            stats.num_prompt_tokens += req.num_prompt_tokens
+            stats.num_cached_tokens += decision.num_cached_tokens
+            stats.reasons[decision.reason] = stats.reasons.get(decision.reason, 0) + 1
+        return decision
+
+    def _route(self, req: RouteRequest) -> RouteDecision | None:
+        config = self.config
+        policy = req.disagg if req.disagg is not None else config.policy
+        if req.num_prompt_tokens <= 0:
+            raise ValueError(f"request {req.request_id!r} has {req.num_prompt_tokens} prompt "
+                             f"tokens; the router places non-empty prompts only")
+        columns = self._refreshed_columns()
+        hit_blocks = np.zeros(len(columns))
+        for worker_id, num_blocks in self.index.match(req.block_hashes).items():
+            hit_blocks[columns.column_of(worker_id)] = num_blocks
+        terms = columns.view()
+        s = score(terms, hit_blocks, req.num_prompt_tokens, config)
+        ids = columns.worker_ids
+        local = argmin_where(s.local_cost, s.can_decode)
+        if local is None:
+            return None
+        if not terms[_IS_PREFILL].any():
+            return RouteDecision.local(s, local, ids, RouteReason.AGGREGATED)
+        if policy == DisaggPolicy.NEVER:
+            return RouteDecision.local(s, local, ids, RouteReason.FORCED_LOCAL)
+        prefill = argmin_where(s.remote_prefill_cost, s.can_prefill)
+        if prefill is None:
+            if policy == DisaggPolicy.ALWAYS:
+                return None
+            return RouteDecision.local(s, local, ids, RouteReason.PREFILL_POOL_SATURATED)
+        decode = argmin_where(s.remote_decode_cost, s.can_decode)
+        assert decode is not None  # local is not None
+        if policy == DisaggPolicy.ALWAYS:
+            return RouteDecision.remote(s, prefill, decode, ids, RouteReason.FORCED_REMOTE)
+        remote_cost = s.remote_prefill_cost[prefill] + s.remote_decode_cost[decode]
+        best = argmin_where(s.local_cost, s.can_decode & s.within_tpot)
+        if best is not None and s.local_cost[best] <= remote_cost:
+            hit_won = (s.num_cached_tokens[best] > 0
+                       and s.local_cost[best] + s.local_saving_s[best] > remote_cost)
+            return RouteDecision.local(s, best, ids, RouteReason.LOCAL_PREFIX_HIT if hit_won
+                                       else RouteReason.LOCAL_FASTER)
+        reason = (RouteReason.TPOT_BUDGET if s.local_cost[local] <= remote_cost
+                  else RouteReason.REMOTE_FASTER)
+        return RouteDecision.remote(s, prefill, decode, ids, reason)
+
+    def _refreshed_columns(self) -> WorkerColumns:
+        for worker_id in self._stale:
+            self._columns.set(worker_id, self._workers[worker_id].terms())
+        self._stale.clear()
+        return self._columns
+
+    # -- in-flight accounting, tenants, stats ----------------------------------------------
+    def on_dispatched(self, decision: RouteDecision, req: RouteRequest) -> None:
+        """The caller sent `req` as decided: count its load until the workers' next load
+        reports, and attribute its blocks to its tenant."""
+        bs = self.config.block_size
+        num_blocks = -(-req.num_prompt_tokens // bs)
+        shares: dict[str, InFlight] = {}
+        if decision.prefill_worker is not None:
+            uncached = req.num_prompt_tokens - decision.num_cached_tokens
+            shares[decision.prefill_worker] = InFlight(
+                num_waiting=1, num_waiting_tokens=uncached,
+                kv_blocks=num_blocks - decision.num_cached_tokens // bs)
+            shares[decision.decode_worker] = InFlight(num_running=1, kv_blocks=num_blocks)
+        else:
+            shares[decision.decode_worker] = InFlight(
+                num_waiting=1,
+                num_waiting_tokens=req.num_prompt_tokens - decision.num_cached_tokens,
+                kv_blocks=num_blocks - decision.num_cached_tokens // bs)
+        for worker_id, share in shares.items():
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.dispatch(req.request_id, share)
+                self._stale.add(worker_id)
+        self._in_flight[req.request_id] = tuple(shares)
+        if req.tenant is not None:
+            self.index.claim(req.block_hashes, req.tenant)
+
+    def on_finished(self, request_id: str) -> None:
+        """The request finished, failed or was aborted: drop its in-flight share."""
+        self._finished.record(self._clock())
+        for worker_id in self._in_flight.pop(request_id, ()):
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.finish(request_id)
+                self._stale.add(worker_id)
+
+    def tenant_blocks(self, tenant: str) -> int:
+        """Distinct blocks of `tenant` cached anywhere (as far as the index knows)."""
+        return self.index.tenant_blocks(tenant)
+
+    def take_evictions(self) -> dict[str, list[BlockHash]]:
+        """Per worker, the hashes to evict so that every tenant is back within
+        `tenant_max_cached_blocks` (least recently used first; the index forgets them
+        now). Empty without a cap."""
+        cap = self.config.tenant_max_cached_blocks
+        evictions: dict[str, list[BlockHash]] = {}
+        if cap is None:
+            return evictions
+        for tenant in self.index.tenants():
+            excess = self.index.tenant_blocks(tenant) - cap
+            if excess > 0:
+                for worker_id, hashes in self.index.evict_tenant(tenant, excess).items():
+                    evictions.setdefault(worker_id, []).extend(hashes)
+        return evictions
+
+    def retry_after_s(self, num_queued: int) -> float:
+        """Seconds a rejected client should wait: `num_queued` + 1 requests at the rate
+        requests finished lately, clamped to [min_retry_after_s, max_retry_after_s]."""
+        c = self.config
+        return retry_after_s(num_queued, self._finished.rate(self._clock()),
+                             c.min_retry_after_s, c.max_retry_after_s)
+
+    @property
+    def num_indexed_blocks(self) -> int:
+        return self.index.num_blocks
+
+    def stats(self) -> RouterStats:
+        """A copy of the counters, with the index sizes filled in."""
+        s = self._stats
+        return RouterStats(s.num_routed, s.num_unplaced, s.num_prompt_tokens,
+                           s.num_cached_tokens, dict(s.reasons), self.index.num_blocks,
+                           self.index.num_entries)
+

@@ -1,0 +1,101 @@
+"""What the frontend asks of the cluster and what it streams back, and the merger that
+turns a request's outputs from several workers into one stream.
+
+In disaggregated serving a request's tokens come from two workers: the prefill worker
+samples the first token, the decode worker commits the imported KV with that token and
+samples the rest (after a failure, a third worker may replay). Every worker output says
+where it starts (`token_offset`, `text_offset`, counted from the request's first output
+token), so the merger keeps exactly one copy of each position: nothing lost, nothing
+duplicated, whichever worker sent it. Output text is a pure function of the output token
+ids (and the stop strings), so text from different workers joins up exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.batch import SampledToken
+from splitserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One request as the frontend hands it to the cluster (already tokenized)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Cache namespace: requests share cached prefixes only within one namespace (DESIGN 4.1).
+    namespace: str | None = None
+    # Whose request this is, for per-tenant accounting; usually the namespace.
+    tenant: str | None = None
+    # Overall deadline in seconds from arrival; None: the server's default.
+    timeout_s: float | None = None
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What is new for a request since the previous delta; the last one has finished=True."""
+    token_ids: list[int]
+    text: str
+    logprobs: list[SampledToken] | None  # one per token in token_ids when asked for
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from a prefix cache
+    num_output_tokens: int  # cumulative, after this delta
+
+
+@dataclass(slots=True)
+class WorkerOutput:
+    """One worker's output for a request, positioned in the request's output."""
+    token_offset: int  # index (in the output) of token_ids[0]
+    token_ids: list[int]
+    text_offset: int  # index (in the output text) of text[0]
+    text: str
+    logprobs_offset: int  # output index of logprobs[0]
+    logprobs: list[SampledToken] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class StreamMerger:
+    """Merges positioned worker outputs into deltas with each position exactly once."""
+    num_tokens: int = 0
+    num_chars: int = 0
+    num_logprobs: int = 0
+    finished: bool = False
+    num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+    def merge(self, out: WorkerOutput) -> StreamDelta | None:
+        """The new part of `out`, or None when it adds nothing (a replayed or stale output)."""
+        assert not self.finished, "a finished stream takes no more outputs"
+        if out.token_offset > self.num_tokens or out.text_offset > self.num_chars:
+            raise ValueError(f"output starts at token {out.token_offset} / char "
+                             f"{out.text_offset}, past the stream's {self.num_tokens} / "
+                             f"{self.num_chars}: a gap")
+        new_tokens = out.token_ids[self.num_tokens - out.token_offset:]
+        new_text = out.text[self.num_chars - out.text_offset:]
+        new_logprobs = None
+        if out.logprobs is not None:
+            new_logprobs = out.logprobs[max(0, self.num_logprobs - out.logprobs_offset):]
+            if out.logprobs_offset > self.num_logprobs:  # a worker without the earlier ones
+                new_logprobs = []
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if not new_tokens and not new_text and not out.finished:
+            return None
+        self.num_tokens += len(new_tokens)
+        self.num_chars += len(new_text)
+        self.token_ids.extend(new_tokens)
+        if new_logprobs is not None:
+            self.num_logprobs += len(new_logprobs)
+        self.finished = out.finished
+        return StreamDelta(token_ids=new_tokens, text=new_text, logprobs=new_logprobs,
+                           finished=out.finished, finish_reason=out.finish_reason,
+                           stop_reason=out.stop_reason, num_prompt_tokens=out.num_prompt_tokens,
+                           num_cached_tokens=self.num_cached_tokens,
+                           num_output_tokens=self.num_tokens)

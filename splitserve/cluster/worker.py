@@ -1,0 +1,318 @@
+"""A worker process: one engine, driven by messages from the frontend.
+
+    python -m splitserve.cluster.worker '<WorkerSpec as JSON>'
+
+The main thread is the engine thread. Each turn of its loop: take every pending message
+(waiting only when there is nothing to compute), run one engine step, move KV (sender
+and receiver polls), send outputs, KV events and, periodically, a load report that is
+also the heartbeat. Roles: `prefill` prefills and streams KV out, `decode` imports KV and
+decodes, `both` (aggregated) does everything locally; every role can prefill locally.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+
+import zmq
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.runtime import WorkerSpec
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.output import RequestOutput, stable_text_len
+from splitserve.errors import InvalidRequestError, SplitserveError
+from splitserve.transfer.handle import TransferHandle, TransferPlan
+from splitserve.transfer.receiver import KVReceiver
+from splitserve.transfer.sender import KVSender
+from splitserve.transfer.transport import TransferState, get_transport
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # longest sleep with nothing to do (deadlines are checked this often)
+BUSY_WAIT_S = 0.002  # sleep while only transfers are in flight
+
+
+class _Stream:
+    """Where a request's next output starts, as the frontend counts positions."""
+    __slots__ = ("num_chars", "logprobs_base", "first_token_only", "stops")
+
+    def __init__(self, logprobs_base: int = 0, first_token_only: bool = False,
+                 stops: list[str] | None = None) -> None:
+        self.num_chars = 0
+        self.logprobs_base = logprobs_base  # output index of the engine's logprobs[0]
+        self.first_token_only = first_token_only  # a prefill for another worker
+        self.stops = stops or []
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
+        self.sender = KVSender(self.engine) if spec.role in ("prefill", "both") else None
+        self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen())
+                         if spec.role in ("decode", "both") else None)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, spec.identity)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(spec.frontend_address)
+        self.streams: dict[str, _Stream] = {}
+        self.reserving: dict[str, tuple[P.Generate, float]] = {}  # awaiting block room
+        self.event_seq = 0
+        self.steps: list[list[float]] = []
+        self.num_prompt_tokens = self.num_hit_tokens = 0
+        self.next_report = 0.0
+        self.stopping = False
+
+    # -- loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        spec, engine = self.spec, self.engine
+        spec_ = engine.spec
+        self._send(P.WorkerReady(
+            worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
+            fingerprint=engine.fingerprint, block_size=engine.block_size,
+            num_blocks=engine.num_blocks, max_model_len=engine.max_model_len,
+            max_num_seqs=engine.config.scheduler.max_num_seqs,
+            kv_address=self.receiver.address if self.receiver else None,
+            kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
+            * engine.kv_cache.element_size()))
+        parent = os.getppid()
+        while not self.stopping:
+            self._receive(self._wait_s())
+            outputs = engine.step() if engine.has_unfinished else []
+            if outputs and engine.last_step is not None:
+                s = engine.last_step
+                self.steps.append([s.num_prefill_tokens, s.num_decode_seqs, s.seconds])
+            self._move_kv(outputs)
+            for out in outputs:
+                self._send_output(out)
+            self._publish_events()
+            if time.monotonic() >= self.next_report:
+                self._report()
+                if os.getppid() != parent:  # the frontend died without stopping us
+                    logger.warning("parent process is gone; exiting")
+                    break
+        self.close()
+
+    def _wait_s(self) -> float:
+        if self.engine.has_unfinished:
+            return 0.0
+        busy = self.reserving or (self.sender and self.sender.num_active) or (
+            self.receiver and self.receiver.num_active)
+        return BUSY_WAIT_S if busy else IDLE_WAIT_S
+
+    def _receive(self, timeout_s: float) -> None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(P.decode(frame))
+            except SplitserveError as exc:
+                logger.warning("bad message from the frontend: %s", exc)
+
+    def _handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Generate):
+            self._generate(msg)
+        elif isinstance(msg, P.Prefill):
+            self._prefill(msg)
+        elif isinstance(msg, P.Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, P.ResyncKV):
+            self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
+        elif isinstance(msg, P.Shutdown):
+            self.stopping = True
+
+    # -- requests -------------------------------------------------------------------------------
+    def _generate(self, msg: P.Generate) -> None:
+        rid = msg.request_id
+        if not self._add(rid, msg.prompt_token_ids, msg.params, msg.namespace,
+                         await_kv=msg.await_kv):
+            return
+        self.streams[rid] = _Stream(logprobs_base=1 if msg.await_kv else 0)
+        if msg.await_kv:
+            self.reserving[rid] = (msg, time.monotonic() + msg.kv_timeout_s)
+            self._reserve()
+
+    def _prefill(self, msg: P.Prefill) -> None:
+        rid, params = msg.request_id, msg.params
+        first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        if self.sender is None:
+            self._fail(rid, "ProtocolError", f"{self.spec.worker_id} cannot send KV")
+            return
+        if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=True):
+            return
+        self.streams[rid] = _Stream(first_token_only=params.max_tokens != 1, stops=params.stop)
+        try:
+            self.sender.start(rid, TransferPlan.from_dict(msg.plan), namespace=msg.namespace)
+        except (SplitserveError, ValueError, KeyError, TypeError) as exc:
+            self.engine.abort(rid)
+            self.engine.release_kv(rid)
+            self.streams.pop(rid, None)
+            self._fail(rid, type(exc).__name__, str(exc))
+
+    def _add(self, rid: str, prompt: list[int], params: object, namespace: str | None,
+             **kwargs: bool) -> bool:
+        try:
+            req = self.engine.add_request(rid, prompt, params, namespace=namespace,  # type: ignore[arg-type]
+                                          **kwargs)
+        except InvalidRequestError as exc:
+            self._fail(rid, type(exc).__name__, str(exc), exc.field)
+            return False
+        self.num_prompt_tokens += req.num_prompt_tokens
+        return True
+
+    def _reserve(self) -> None:
+        assert self.receiver is not None
+        now = time.monotonic()
+        for rid, (msg, deadline) in list(self.reserving.items()):
+            plan = self.receiver.expect(rid, namespace=msg.namespace,
+                                        timeout_s=max(0.1, deadline - now),
+                                        recompute_on_failure=msg.recompute_on_failure)
+            if plan is not None:
+                del self.reserving[rid]
+                self._send(P.KVPlanReady(rid, plan.to_dict()))
+            elif now >= deadline:
+                del self.reserving[rid]
+                self.engine.fail_kv(rid, recompute=msg.recompute_on_failure)
+                if not msg.recompute_on_failure:
+                    self._drop(rid, "TransferTimeout",
+                               f"no KV blocks free for {msg.kv_timeout_s:g} s")
+
+    def _abort(self, rid: str) -> None:
+        self.reserving.pop(rid, None)
+        if self.receiver is not None:
+            self.receiver.cancel(rid)
+        if self.sender is not None:
+            self.sender.cancel(rid)
+        self.engine.abort(rid)
+        self.engine.release_kv(rid)
+        self.streams.pop(rid, None)
+
+    def _drop(self, rid: str, kind: str, message: str) -> None:
+        self.streams.pop(rid, None)
+        self._fail(rid, kind, message)
+
+    def _fail(self, rid: str, kind: str, message: str, field: str | None = None) -> None:
+        self._send(P.RequestFailed(rid, kind, message, field))
+
+    # -- KV movement ----------------------------------------------------------------------------
+    def _move_kv(self, outputs: list[RequestOutput]) -> None:
+        if self.reserving:
+            self._reserve()
+        if self.sender is not None:
+            for handle in self.sender.poll(outputs):
+                self._report_transfer(handle)
+        if self.receiver is not None:
+            for handle in self.receiver.poll():
+                self._report_transfer(handle)
+                status = handle.poll()
+                if status.state is TransferState.DONE and handle.output is not None:
+                    self._send_output(handle.output)
+                elif status.state is TransferState.FAILED and self.engine.scheduler.requests.get(
+                        handle.request_id) is None:  # not recomputing locally
+                    self._drop(handle.request_id, type(status.error).__name__, str(status.error))
+
+    def _report_transfer(self, handle: TransferHandle) -> None:
+        status = handle.poll()
+        self._send(P.TransferReport(handle.request_id, handle.telemetry.as_record(),
+                                    None if status.error is None else type(status.error).__name__))
+
+    # -- outputs --------------------------------------------------------------------------------
+    def _send_output(self, out: RequestOutput) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        finished, reason, text = out.finished, out.finish_reason, out.delta_text
+        if stream.first_token_only and reason == "length":
+            # Our max_tokens=1 ended it, not the request's: the decode worker goes on, so
+            # stream only the text that is stable whatever token comes next.
+            finished, reason = False, None
+            text = out.text[stream.num_chars:stable_text_len(out.text, stream.stops, False)]
+        num_new = len(out.delta_token_ids)
+        token_offset = len(out.token_ids) - num_new
+        logprobs, lp_offset = None, token_offset
+        if out.logprobs is not None:
+            lp_offset = max(token_offset, stream.logprobs_base)
+            logprobs = out.logprobs[lp_offset - stream.logprobs_base:]
+        self._send(P.Output(out.request_id, token_offset, list(out.delta_token_ids),
+                            stream.num_chars, text, lp_offset, logprobs, finished, reason,
+                            out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens))
+        stream.num_chars += len(text)
+        if out.finished:
+            self.streams.pop(out.request_id, None)
+            self.num_hit_tokens += out.num_cached_tokens
+
+    # -- events and reports ---------------------------------------------------------------------
+    def _publish_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self.event_seq += 1
+            self._send(P.KVEventBatch(self.event_seq, events))
+
+    def _report(self) -> None:
+        load = self.engine.load()
+        self._send(P.LoadReport(
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
+            kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
+            steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
+            num_prompt_tokens=self.num_prompt_tokens))
+        self.steps = []
+        self.next_report = time.monotonic() + self.spec.report_interval_s
+
+    def _send(self, msg: P.Message) -> None:
+        self.sock.send(P.encode(msg), copy=False)
+
+    def close(self) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self._abort(rid)
+        for rid in self.engine.held_request_ids():
+            self._abort(rid)
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.engine.check_invariants()
+        assert self.engine.kv.pool.num_used_blocks == 0, "blocks leaked at shutdown"
+        self.sock.close()
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    spec = WorkerSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    import setproctitle
+    setproctitle.setproctitle(f"splitserve-{spec.worker_id}")
+    if spec.cpu_cores:
+        os.sched_setaffinity(0, spec.cpu_cores)
+        spec = replace(spec, engine_args={**spec.engine_args,
+                                          "num_threads": len(spec.cpu_cores)})
+    worker = Worker(spec)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

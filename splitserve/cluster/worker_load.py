@@ -1,0 +1,119 @@
+"""A worker as the router sees it: its role, its last load report, the load the router
+itself sent it since that report, and its fitted cost models.
+
+Load reports lag: without the in-flight tally a burst of requests routed between two
+reports would all see the same idle worker and land on it. `InFlight` adds what the
+router dispatched since the last report; a new report replaces the tally (it is taken
+after the worker received those requests), and a request that finishes before the next
+report takes its share back out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .cost_model import CostModelConfig, DecodeStepModel, PrefillCostModel
+from .scoring import WorkerTerms
+
+
+class Role(IntEnum):
+    """What a worker does: PREFILL (ships KV away), DECODE (may also prefill locally),
+    BOTH (an aggregated worker; routed like DECODE)."""
+
+    PREFILL = 0
+    DECODE = 1
+    BOTH = 2
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What a worker's load report says."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int  # prompt tokens queued for prefill (uncached ones)
+    kv_blocks_used: int
+    kv_blocks_total: int
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Load dispatched to a worker and not yet visible in its load report."""
+
+    num_running: int = 0  # sequences whose KV arrives by transfer (no prefill here)
+    num_waiting: int = 0  # sequences this worker will prefill
+    num_waiting_tokens: int = 0
+    kv_blocks: int = 0
+
+    def add(self, other: InFlight, sign: int) -> None:
+        self.num_running += sign * other.num_running
+        self.num_waiting += sign * other.num_waiting
+        self.num_waiting_tokens += sign * other.num_waiting_tokens
+        self.kv_blocks += sign * other.kv_blocks
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One registered worker: role, reported load plus in-flight tally, cost models."""
+
+    role: Role
+    load: WorkerLoad
+    prefill_model: PrefillCostModel
+    decode_model: DecodeStepModel
+    pending: dict[str, InFlight] = field(default_factory=dict)  # request id -> its share
+    in_flight: InFlight = field(default_factory=InFlight)  # sum of `pending`
+
+    @staticmethod
+    def create(role: Role, load: WorkerLoad, config: CostModelConfig,
+               pooled_prefill: PrefillCostModel,
+               pooled_decode: DecodeStepModel) -> WorkerState:
+        """A worker whose cost models fall back to the pooled ones until fitted."""
+        return WorkerState(role, load, PrefillCostModel(config, pooled_prefill),
+                           DecodeStepModel(config, pooled_decode))
+
+    @property
+    def num_running(self) -> int:
+        return self.load.num_running + self.in_flight.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.load.num_waiting + self.in_flight.num_waiting
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return self.load.num_waiting_tokens + self.in_flight.num_waiting_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        load = self.load
+        return load.kv_blocks_total - load.kv_blocks_used - self.in_flight.kv_blocks
+
+    def is_full(self) -> bool:
+        """No room for another sequence (running + waiting >= max_num_seqs)."""
+        return self.num_running + self.num_waiting >= self.load.max_num_seqs
+
+    def terms(self) -> WorkerTerms:
+        """The request-independent scoring terms as of now."""
+        a, b, c = self.prefill_model.coefficients
+        return WorkerTerms(
+            a, b, c, self.prefill_model.predict_queue(self.num_waiting, self.num_waiting_tokens),
+            self.decode_model.predict(self.num_running + 1), self.num_running,
+            self.num_free_blocks, self.load.kv_blocks_total, not self.is_full(),
+            self.role == Role.PREFILL)
+
+    def report(self, load: WorkerLoad) -> None:
+        """A new load report replaces the in-flight tally."""
+        self.load = load
+        self.pending.clear()
+        self.in_flight = InFlight()
+
+    def dispatch(self, request_id: str, share: InFlight) -> None:
+        self.pending[request_id] = share
+        self.in_flight.add(share, 1)
+
+    def finish(self, request_id: str) -> None:
+        """Take back a request's share if no report has absorbed it yet."""
+        share = self.pending.pop(request_id, None)
+        if share is not None:
+            self.in_flight.add(share, -1)

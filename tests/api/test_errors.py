@@ -1,0 +1,255 @@
+"""Every error a client can meet: status, OpenAI error body, `param`, headers; and the server
+keeps serving afterwards."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from fake_backend import FakeBackend
+from splitserve.errors import (AdmissionRejected, EngineDeadError, InvalidRequestError,
+                               RequestTimeout, WorkerFailed)
+
+CHAT = [{"role": "user", "content": "Hi!"}]
+
+
+def _error(response: httpx2.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    """Checks the OpenAI error shape and returns its `error` object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-request-id"]
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["param"] == param
+    assert "Traceback" not in error["message"]
+    return error
+
+
+def _still_serving(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+    assert out.choices[0].text == " The quick"
+
+
+# ---- malformed bodies ---------------------------------------------------------------------
+
+def test_malformed_json_is_400(http: httpx2.Client, client: openai.OpenAI) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = http.post(path, content=b'{"prompt": "Hi",', headers={
+            "content-type": "application/json"})
+        assert "not valid JSON" in _error(response, 400)["message"]
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": {"text": "Hi"}}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": "yes please"}, "logprobs"),
+])
+def test_wrong_types_are_400_naming_the_field(http: httpx2.Client, path: str,
+                                              body: dict[str, Any], param: str) -> None:
+    error = _error(http.post(path, json=body), 400, param)
+    assert error["type"] == "BadRequestError" and error["message"].startswith(param)
+
+
+def test_body_that_is_not_an_object_is_400(http: httpx2.Client) -> None:
+    _error(http.post("/v1/completions", json=["Hi"]), 400)
+
+
+# ---- values the sampler or the model cannot take ------------------------------------------
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"extra_body": {"min_tokens": 10}, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 3}, "best_of"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_completion_values_are_400(client: openai.OpenAI, fake: FakeBackend,
+                                       kwargs: dict[str, Any], param: str) -> None:
+    args = {"model": "smollm2", "prompt": "Hi", **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    assert info.value.body == {"message": info.value.body["message"],
+                               "type": "BadRequestError", "param": param, "code": 400}
+    assert info.value.request_id
+    assert not fake.requests
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"n": 3}, "n"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content"),
+])
+def test_bad_chat_values_are_400(client: openai.OpenAI, fake: FakeBackend,
+                                 kwargs: dict[str, Any], param: str) -> None:
+    args = {"model": "smollm2", "messages": CHAT, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**args)
+    assert info.value.param == param
+    assert not fake.requests
+
+
+def test_prompt_too_long_is_400(client: openai.OpenAI, fake: FakeBackend) -> None:
+    long_prompt = " word" * fake.model_info.max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt=long_prompt)
+    assert info.value.param == "prompt" and "maximum context length" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2",
+                                       messages=[{"role": "user", "content": long_prompt}])
+    assert info.value.param == "messages"
+    assert not fake.requests
+
+
+def test_max_tokens_past_the_context_is_400(client: openai.OpenAI, fake: FakeBackend) -> None:
+    limit = fake.model_info.max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt=[1, 2, 3], max_tokens=limit - 2)
+    assert info.value.param == "max_tokens"
+    client.completions.create(model="smollm2", prompt=[1, 2, 3], max_tokens=limit - 3)
+    assert fake.last.params.max_tokens == limit - 3
+
+
+def test_backend_rejecting_the_prompt_is_400(client: openai.OpenAI, fake: FakeBackend) -> None:
+    fake.error_before = InvalidRequestError("prompt is empty; send a token", field="prompt")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt="", max_tokens=2)
+    assert info.value.param == "prompt"
+    assert info.value.body["message"] == "prompt is empty; send a token"
+    with pytest.raises(openai.BadRequestError) as info:  # chat names the messages
+        client.chat.completions.create(model="smollm2", messages=CHAT)
+    assert info.value.param == "messages"
+    fake.error_before = None
+    _still_serving(client)
+
+
+def test_unknown_model_is_404(client: openai.OpenAI, http: httpx2.Client) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=CHAT)
+    assert (info.value.param, info.value.type, info.value.code) == ("model", "NotFoundError", "404")
+    assert "gpt-9" in info.value.message
+    _error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "Hi"}), 404, "model")
+
+
+def test_unknown_route_and_method_use_the_error_format(http: httpx2.Client) -> None:
+    assert _error(http.get("/v1/nothing"), 404)["type"] == "NotFoundError"
+    _error(http.get("/v1/completions"), 405)
+
+
+# ---- the backend failing ------------------------------------------------------------------
+
+@pytest.mark.parametrize("status, retry_after_s, header", [(429, 2.2, "3"), (503, 0.5, "1")])
+def test_admission_rejected_carries_retry_after(http: httpx2.Client, fake: FakeBackend,
+                                                status: int, retry_after_s: float,
+                                                header: str) -> None:
+    fake.error_before = AdmissionRejected("queue full; retry later", retry_after_s, status)
+    for stream in (False, True):  # before the first delta: a real status even when streaming
+        response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
+        error = _error(response, status)
+        assert response.headers["retry-after"] == header
+        assert error["message"] == "queue full; retry later"
+        assert error["type"] == {429: "RateLimitError", 503: "ServiceUnavailableError"}[status]
+
+
+def test_admission_rejected_through_the_openai_client(client: openai.OpenAI,
+                                                      fake: FakeBackend) -> None:
+    fake.error_before = AdmissionRejected("busy", 1.0, 429)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="smollm2", messages=CHAT)
+    assert info.value.response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("exc, status, error_type", [
+    (RequestTimeout("the prefill took too long", stage="prefill"), 504, "TimeoutError"),
+    (WorkerFailed("decode worker 2 died"), 500, "InternalServerError"),
+    (EngineDeadError("the engine loop stopped"), 503, "ServiceUnavailableError"),
+])
+def test_backend_failures(http: httpx2.Client, client: openai.OpenAI, fake: FakeBackend,
+                          exc: Exception, status: int, error_type: str) -> None:
+    fake.error_before = exc
+    error = _error(http.post("/v1/chat/completions", json={"messages": CHAT}), status)
+    assert error["type"] == error_type and str(exc) in error["message"]
+    if isinstance(exc, RequestTimeout):
+        assert "stage: prefill" in error["message"]
+    fake.error_before = None
+    _still_serving(client)
+
+
+def test_finish_reason_error_is_500(client: openai.OpenAI, fake: FakeBackend) -> None:
+    fake.last_finish_reason = "error"
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+
+
+def test_unexpected_exception_is_a_logged_500_without_details(
+        http: httpx2.Client, client: openai.OpenAI, fake: FakeBackend,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fake.error_before = RuntimeError("secret internals at 0xdeadbeef")
+    with caplog.at_level(logging.ERROR, logger="splitserve.api"):
+        response = http.post("/v1/completions", json={"prompt": "Hi"},
+                             headers={"X-Request-Id": "req-boom"})
+    error = _error(response, 500)
+    assert error["type"] == "InternalServerError" and "secret" not in error["message"]
+    assert "req-boom" in error["message"] and response.headers["x-request-id"] == "req-boom"
+    logged = [r for r in caplog.records if r.exc_info and "secret" in str(r.exc_info[1])]
+    assert logged and getattr(logged[0], "request_id") == "req-boom"
+    fake.error_before = None
+    _still_serving(client)
+
+
+def test_health_of_a_dead_engine_is_503(http: httpx2.Client, fake: FakeBackend) -> None:
+    fake.health_error = EngineDeadError("the engine loop stopped")
+    _error(http.get("/health"), 503)
+
+
+# ---- after the stream started -------------------------------------------------------------
+
+def test_error_mid_stream_is_one_error_event_then_done(http: httpx2.Client, client: openai.OpenAI,
+                                                       fake: FakeBackend) -> None:
+    fake.error_at = (2, WorkerFailed("decode worker 2 died"))
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"messages": CHAT, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("InternalServerError", 500)
+    assert "decode worker 2 died" in error["message"]
+    assert [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-2]] == [
+        "", " The", " quick"]
+    with pytest.raises(openai.APIError, match="decode worker 2 died"):
+        list(client.chat.completions.create(model="smollm2", messages=CHAT, stream=True))
+    fake.error_at = None
+    _still_serving(client)

@@ -1,0 +1,78 @@
+"""Request bodies -> GenerateRequest, without HTTP."""
+from __future__ import annotations
+
+import pytest
+
+from fake_backend import FakeBackend
+from splitserve.api.errors import ModelNotFound, _loc_param, api_error
+from splitserve.api.request_builder import (build_chat_request, build_completion_request,
+                                            served_model, tenant_of)
+from splitserve.api.schemas import ChatCompletionRequest, CompletionRequest
+from splitserve.errors import AdmissionRejected, InvalidRequestError
+
+
+def test_served_model(fake: FakeBackend) -> None:
+    assert served_model(None, fake.model_info) == "smollm2"
+    assert served_model("smollm2-alias", fake.model_info) == "smollm2-alias"
+    with pytest.raises(ModelNotFound, match="smollm2, smollm2-alias"):
+        served_model("gpt-9", fake.model_info)
+
+
+def test_tenant_precedence() -> None:
+    body = CompletionRequest(prompt="x", user="u", cache_salt="s")
+    assert tenant_of("h", body) == "h"
+    assert tenant_of(None, body) == "s"
+    assert tenant_of(None, CompletionRequest(prompt="x", user="u")) == "u"
+    assert tenant_of(None, CompletionRequest(prompt="x")) is None
+    assert tenant_of("", body) == "", "an empty header is still a namespace"
+
+
+def test_completion_request(fake: FakeBackend) -> None:
+    body = CompletionRequest(prompt=[[4, 5, 6]], max_tokens=3, stop="x", top_k=-1,
+                             stop_token_ids=[9], logprobs=0)
+    out = build_completion_request(body, "r1", "acme", fake.model_info)
+    assert (out.request_id, out.prompt_token_ids, out.namespace, out.tenant) == (
+        "r1", [4, 5, 6], "acme", "acme")
+    p = out.params
+    assert (p.max_tokens, p.stop, p.top_k, p.stop_token_ids, p.logprobs) == (3, ["x"], 0, [9], 0)
+    assert out.timeout_s is None
+
+
+def test_chat_request_names_chats_fields(fake: FakeBackend) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    cases = [({"max_completion_tokens": 0}, "max_completion_tokens"),
+             ({"max_tokens": 0}, "max_tokens"),
+             ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ({"max_tokens": fake.model_info.max_model_len}, "max_tokens")]
+    for extra, field in cases:
+        body = ChatCompletionRequest.model_validate({"messages": messages, **extra})
+        with pytest.raises(InvalidRequestError) as info:
+            build_chat_request(body, "r", None, fake.model_info)
+        assert info.value.field == field
+
+
+def test_chat_template_failure_is_a_messages_error(fake: FakeBackend) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    tokenizer = fake.model_info.tokenizer
+    template = tokenizer.chat_template
+    try:
+        tokenizer.chat_template, tokenizer._template = "{{ raise_exception('no roles') }}", None
+        with pytest.raises(InvalidRequestError, match="no roles") as info:
+            build_chat_request(body, "r", None, fake.model_info)
+        assert info.value.field == "messages"
+    finally:
+        tokenizer.chat_template, tokenizer._template = template, None
+
+
+def test_pydantic_loc_becomes_a_field_path() -> None:
+    assert _loc_param(("body", "temperature")) == "temperature"
+    assert _loc_param(("body", "stop", "list[str]", 0)) == "stop"
+    assert _loc_param(("body", "messages", 0, "content", "str")) == "messages.0.content"
+    assert _loc_param(("body", "prompt", "list[list[int]]", 0, 1)) == "prompt"
+    assert _loc_param(("body",)) is None
+
+
+def test_retry_after_is_whole_seconds_rounded_up() -> None:
+    assert api_error(AdmissionRejected("busy", 0.01)).headers == {"Retry-After": "1"}
+    assert api_error(AdmissionRejected("busy", 4.0, 503)).headers == {"Retry-After": "4"}
+    assert api_error(AdmissionRejected("busy", 0.0)).headers == {"Retry-After": "0"}

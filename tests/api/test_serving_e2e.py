@@ -1,0 +1,239 @@
+"""End to end: `splitserve serve` as real processes (frontend, prefill and decode workers),
+the official `openai` client over real HTTP, outputs checked against the offline engine.
+
+Every server here runs float32 with one torch thread per worker, as does the offline
+reference, so greedy outputs must agree token for token: the KV a decode worker imports
+from a prefill worker is the KV it would have computed itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+
+from splitserve import LLM, SamplingParams
+
+FLAGS = ("--dtype", "float32", "--threads-per-worker", "1", "--max-model-len", "2048",
+         "--kv-cache-memory-bytes", str(256 << 20))
+MAX_TOKENS = 24
+LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))
+SYSTEM = ("You are a meticulous assistant. Answer briefly and precisely. " * 12).strip()
+CHATS: dict[str, list[dict[str, str]]] = {
+    "short": [{"role": "user", "content": "What is the capital of France?"}],
+    "long": [{"role": "user", "content": LONG + "\nWhat is 7 squared?"}],
+    "shared_prefix_a": [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "Name a primary color."}],
+    "shared_prefix_b": [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "Name a prime number."}],
+    "multi_turn": [{"role": "user", "content": "Hi! My name is Ada."},
+                   {"role": "assistant", "content": "Hello Ada! How can I help you today?"},
+                   {"role": "user", "content": "What is my name?"}],
+}
+COMPLETION = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """The offline engine's greedy answers (same dtype and thread count as the workers)."""
+    llm = LLM(dtype="float32", num_threads=1, max_model_len=2048)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    names = list(CHATS)
+    outs = [llm.chat(CHATS[n], greedy)[0].text for n in names]
+    answers = dict(zip(names, outs))
+    answers["completion"] = llm.generate([COMPLETION], greedy)[0].text
+    return answers
+
+
+@pytest.fixture(scope="module")
+def disagg(start_server: Any) -> Any:
+    # "always": every request goes prefill worker -> KV transfer -> decode worker.
+    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS)
+
+
+@pytest.fixture(scope="module")
+def agg(start_server: Any) -> Any:
+    return start_server("--mode", "agg", *FLAGS)
+
+
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def model_name(server: Any) -> str:
+    return str(client(server).models.list().data[0].id)
+
+
+def chat(server: Any, messages: list[dict[str, str]], stream: bool = False, **kw: Any) -> str:
+    c = client(server)
+    kw = {"temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+    if not stream:
+        r = c.chat.completions.create(model=model_name(server), messages=messages,  # type: ignore[arg-type]
+                                      **kw)
+        return r.choices[0].message.content or ""
+    chunks = c.chat.completions.create(model=model_name(server), messages=messages,  # type: ignore[arg-type]
+                                       stream=True, **kw)
+    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "agg"])
+def test_greedy_chat_matches_the_offline_engine(mode: str, request: pytest.FixtureRequest,
+                                                reference: dict[str, str]) -> None:
+    server = request.getfixturevalue(mode)
+    for name, messages in CHATS.items():
+        assert chat(server, messages) == reference[name], f"{mode} {name}"
+        assert chat(server, messages, stream=True) == reference[name], f"{mode} {name} stream"
+
+
+@pytest.mark.parametrize("mode", ["disagg", "agg"])
+def test_completions_stream_and_not(mode: str, request: pytest.FixtureRequest,
+                                    reference: dict[str, str]) -> None:
+    server = request.getfixturevalue(mode)
+    c = client(server)
+    r = c.completions.create(model=model_name(server), prompt=COMPLETION, temperature=0,
+                             max_tokens=MAX_TOKENS)
+    assert r.choices[0].text == reference["completion"]
+    assert r.usage is not None and r.usage.completion_tokens == MAX_TOKENS
+    assert r.usage.prompt_tokens == len(LLM_TOKENS(COMPLETION))
+    chunks = list(c.completions.create(model=model_name(server), prompt=COMPLETION,
+                                       temperature=0, max_tokens=MAX_TOKENS, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference["completion"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802
+    from splitserve.model.loader import open_checkpoint
+    return open_checkpoint(None).tokenizer.encode(text)
+
+
+def test_seeded_sampling_is_identical_across_modes(disagg: Any, agg: Any) -> None:
+    kw = dict(temperature=0.8, top_p=0.95, seed=1234)
+    a = chat(disagg, CHATS["short"], **kw)
+    b = chat(agg, CHATS["short"], **kw)
+    assert a == b and a
+
+
+def test_32_concurrent_streams_match_their_single_outputs(disagg: Any) -> None:
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
+    name = model_name(disagg)
+    c = client(disagg)
+    single = [c.completions.create(model=name, prompt=p, temperature=0,
+                                   max_tokens=12).choices[0].text for p in prompts]
+
+    async def run_all() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=disagg.url + "/v1", api_key="none", max_retries=0,
+                                timeout=300)
+
+        async def one(p: str) -> str:
+            stream = await ac.completions.create(model=name, prompt=p, temperature=0,
+                                                 max_tokens=12, stream=True)
+            return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        return await asyncio.gather(*(one(p) for p in prompts))
+    outs = asyncio.run(run_all())
+    assert all(outs), "every stream produced text"
+    assert outs == single
+
+
+def test_metrics_after_traffic(disagg: Any) -> None:
+    chat(disagg, CHATS["shared_prefix_a"])
+    chat(disagg, CHATS["shared_prefix_b"])
+    text = disagg.get_text("/metrics")
+
+    def value(pattern: str) -> float:
+        found = re.findall(rf"^{pattern} ([0-9.e+-]+)$", text, flags=re.M)
+        assert found, f"{pattern} not in /metrics"
+        return sum(float(v) for v in found)
+    assert value(r"splitserve_time_to_first_token_seconds_count") > 0
+    assert value(r"splitserve_time_per_output_token_seconds_count") > 0
+    assert value(r"splitserve_inter_token_latency_seconds_count") > 0
+    assert value(r"splitserve_kv_transfer_bytes_total") > 0
+    assert value(r'splitserve_router_decisions_total\{decision="[a-z_]+"\}') > 0
+    assert value(r'splitserve_prefix_cache_hit_tokens_total\{[^}]*\}') > 0
+    assert value(r'splitserve_kv_blocks_total\{worker="decode-0"\}') > 0
+
+
+def post(server: Any, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(server.url + path, data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
+        disagg: Any, reference: dict[str, str]) -> None:
+    name = model_name(disagg)
+    good = {"model": name, "prompt": "hi", "max_tokens": 2}
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({**good, "max_tokens": "many"}).encode(), 400, "max_tokens"),
+        (json.dumps({**good, "max_tokens": -3}).encode(), 400, "max_tokens"),
+        (json.dumps({**good, "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({**good, "prompt": "word " * 3000}).encode(), 400, "prompt"),
+        (json.dumps({**good, "model": "no-such-model"}).encode(), 404, "model"),
+    ]
+    for body, status, param in cases:
+        code, payload = post(disagg, "/v1/completions", body)
+        assert code == status, (body[:60], payload)
+        assert set(payload["error"]) >= {"message", "type", "code"}, payload
+        if param is not None:
+            assert payload["error"]["param"] == param, payload
+    assert chat(disagg, CHATS["short"]) == reference["short"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(disagg: Any) -> None:
+    c = client(disagg)
+    stream = c.completions.create(model=model_name(disagg), prompt="Tell me a long story.",
+                                  temperature=0, max_tokens=1500, stream=True,
+                                  extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = disagg.get_json("/health")
+        metrics = disagg.get_text("/metrics")
+        used = [float(v) for v in re.findall(r'^splitserve_kv_blocks_used\{[^}]*\} ([0-9.e+-]+)$',
+                                             metrics, flags=re.M)]
+        if health["in_flight"] == 0 and used and not any(used):
+            break
+        time.sleep(0.2)
+    assert health["in_flight"] == 0, health
+    assert used and not any(used), used
+    assert 'splitserve_requests_total{outcome="abort"}' in metrics
+
+
+def _titles() -> dict[int, str]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    titles = {}
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        titles[int(pid)] = args
+    return titles
+
+
+def test_process_titles_and_clean_shutdown(start_server: Any) -> None:
+    server = start_server("--mode", "disagg", *FLAGS)
+    pids = server.worker_pids()
+    titles = _titles()
+    assert titles[server.proc.pid].startswith("splitserve-frontend")
+    assert sorted(titles[p].split()[0] for p in pids) == ["splitserve-decode-0",
+                                                          "splitserve-prefill-0"]
+    assert server.stop() == 0, server.log()
+    time.sleep(0.5)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+             "zombie" not in open(f"/proc/{p}/status").read().lower()]
+    assert not alive, f"workers left behind: {alive}"

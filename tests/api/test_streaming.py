@@ -1,0 +1,105 @@
+"""A client that goes away aborts its generation: the backend's delta iterator is closed
+before it finished, streaming or not, before or after the first delta."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx2
+import openai
+import pytest
+
+from fake_backend import FakeBackend, wait_until
+from splitserve.api.errors import ClientDisconnected
+from splitserve.api.streaming import until_disconnect
+
+CHAT = [{"role": "user", "content": "Hi!"}]
+
+
+def _aborted(fake: FakeBackend, request_id: str) -> bool:
+    return wait_until(lambda: fake.outcomes.get(request_id) is not None) and \
+        fake.outcomes[request_id] == "aborted"
+
+
+def test_streaming_client_leaving_mid_stream_aborts(http: httpx2.Client, client: openai.OpenAI,
+                                                    fake: FakeBackend) -> None:
+    fake.hang_at = 3
+    with http.stream("POST", "/v1/completions", headers={"X-Request-Id": "leaver-1"},
+                     json={"prompt": "Hi", "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert wait_until(lambda: "leaver-1" in [r.request_id for r in fake.requests])
+    assert _aborted(fake, "leaver-1")
+    fake.hang_at = None
+    assert client.completions.create(model="smollm2", prompt="Hi", max_tokens=1).choices
+
+
+def test_streaming_client_leaving_before_the_first_delta_aborts(client: openai.OpenAI,
+                                                                fake: FakeBackend) -> None:
+    fake.hang_at = 0
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).chat.completions.create(
+            model="smollm2", messages=CHAT, stream=True,
+            extra_headers={"X-Request-Id": "leaver-2"})
+    assert _aborted(fake, "leaver-2")
+
+
+def test_non_streaming_client_leaving_aborts(client: openai.OpenAI, fake: FakeBackend) -> None:
+    fake.hang_at = 2
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(
+            model="smollm2", prompt="Hi", extra_headers={"X-Request-Id": "leaver-3"})
+    assert _aborted(fake, "leaver-3")
+
+
+def test_completed_requests_are_not_aborted(client: openai.OpenAI, fake: FakeBackend) -> None:
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=3)
+    list(client.chat.completions.create(model="smollm2", messages=CHAT, stream=True))
+    assert wait_until(lambda: len(fake.outcomes) == 2)
+    assert set(fake.outcomes.values()) == {"finished"}
+
+
+# ---- until_disconnect on its own ----------------------------------------------------------
+
+class _Receive:
+    """An ASGI receive whose http.disconnect arrives when `leave` is set."""
+
+    def __init__(self) -> None:
+        self.leave = asyncio.Event()
+
+    async def __call__(self) -> dict[str, object]:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+
+async def _slow(log: list[str]) -> AsyncIterator[int]:
+    try:
+        yield 1
+        await asyncio.sleep(10)
+        yield 2
+    finally:
+        log.append("closed")
+
+
+def test_until_disconnect_returns_the_result_when_the_client_stays() -> None:
+    async def main() -> int:
+        return await until_disconnect(_Receive(), asyncio.sleep(0, result=7))
+    assert asyncio.run(main()) == 7
+
+
+def test_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
+    log: list[str] = []
+
+    async def main() -> None:
+        receive = _Receive()
+        deltas = _slow(log)
+
+        async def read_all() -> list[int]:
+            return [d async for d in deltas]
+
+        asyncio.get_running_loop().call_later(0.05, receive.leave.set)
+        with pytest.raises(ClientDisconnected):
+            await until_disconnect(receive, read_all())
+
+    asyncio.run(main())
+    assert log == ["closed"]
