@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup setup-test serve test typecheck bench clean
+.PHONY: setup setup-test serve chat test typecheck bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 serve: setup
+	$(BIN)/splitserve serve $(ARGS)
+
+chat: setup
 	$(BIN)/splitserve chat $(ARGS)
 
 test: setup-test

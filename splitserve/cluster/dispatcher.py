@@ -166,7 +166,8 @@ class Dispatcher:
             request.params = replace(request.params, seed=random.getrandbits(63))
         now = time.monotonic()
         timeout = request.timeout_s or self.deadlines.request_timeout_s
-        flight = _Flight(request, now, now + timeout, now + self.deadlines.queue_timeout_s)
+        flight = _Flight(request, now, now + timeout,
+                         min(now + timeout, now + self.deadlines.queue_timeout_s))
         self.flights[rid] = flight
         self.metrics.prompt_tokens.inc(n)
         return flight
@@ -190,9 +191,11 @@ class Dispatcher:
                     while decision is None:
                         left = flight.stage_deadline - time.monotonic()
                         if left <= 0:
+                            waited = time.monotonic() - flight.arrival
                             raise RequestTimeout(
-                                f"no worker had room within {self.deadlines.queue_timeout_s:g} s"
-                                " (queue timeout)", stage="queue")
+                                f"no worker had room for {waited:.1f} s (queue timeout "
+                                f"{self.deadlines.queue_timeout_s:g} s or the request "
+                                "deadline)", stage="queue")
                         try:
                             await asyncio.wait_for(self._capacity.wait(), min(left, 0.5))
                         except TimeoutError:
@@ -202,6 +205,10 @@ class Dispatcher:
                 self.num_queued -= 1
         self.metrics.queue_time.labels("admission").observe(time.monotonic() - flight.arrival)
         self.router.on_dispatched(decision, route_req)
+        for worker_id, hashes in self.router.take_evictions().items():
+            worker = self.table.by_id.get(worker_id)
+            if worker is not None and hashes:
+                self._send(worker.identity, P.EvictBlocks(hashes))
         flight.decision = decision
         flight.stage = Stage.PREFILL
         flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s

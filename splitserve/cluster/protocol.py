@@ -6,7 +6,7 @@ who sent a message without trusting its body. A frame is `msgpack([tag, *fields]
 decoding checks the tag, the field count and every field's type against the dataclass,
 and raises ProtocolError otherwise. Nothing is unpickled; no message names a method.
 
-    frontend -> worker: Generate, Prefill, Abort, ResyncKV, Shutdown
+    frontend -> worker: Generate, Prefill, Abort, ResyncKV, EvictBlocks, Shutdown
     worker -> frontend: WorkerReady, Output, KVPlanReady, RequestFailed, KVEventBatch,
                         KVSnapshot, LoadReport, TransferReport
 """
@@ -60,6 +60,13 @@ class Abort:
 @dataclass(slots=True)
 class ResyncKV:
     """The frontend lost track of this worker's KV events: send a KVSnapshot."""
+
+
+@dataclass(slots=True)
+class EvictBlocks:
+    """Drop these blocks from the prefix cache where no request uses them (a tenant went
+    over its cache cap)."""
+    block_hashes: list[bytes]
 
 
 @dataclass(slots=True)
@@ -151,10 +158,10 @@ class TransferReport:
 
 Message = (Generate | Prefill | Abort | ResyncKV | Shutdown | WorkerReady | Output
            | KVPlanReady | RequestFailed | KVEventBatch | KVSnapshot | LoadReport
-           | TransferReport)
+           | TransferReport | EvictBlocks)
 _TYPES: list[type] = [Generate, Prefill, Abort, ResyncKV, Shutdown, WorkerReady, Output,
                       KVPlanReady, RequestFailed, KVEventBatch, KVSnapshot, LoadReport,
-                      TransferReport]
+                      TransferReport, EvictBlocks]
 
 
 # -- encoding -------------------------------------------------------------------------------

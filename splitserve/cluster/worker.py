@@ -128,6 +128,8 @@ class Worker:
             self._abort(msg.request_id)
         elif isinstance(msg, P.ResyncKV):
             self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
+        elif isinstance(msg, P.EvictBlocks):
+            self.engine.evict_cached_blocks(msg.block_hashes)
         elif isinstance(msg, P.Shutdown):
             self.stopping = True
 

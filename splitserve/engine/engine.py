@@ -225,6 +225,10 @@ class LLMEngine:
         """Prefix-cache events (stored / removed blocks) since the last call, oldest first."""
         return self.kv.pool.take_events()
 
+    def evict_cached_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """Drops these blocks from the prefix cache unless a request is using them."""
+        return self.kv.pool.evict_cached(block_hashes)
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash in the prefix cache now (a snapshot for an index resync)."""
         return self.kv.pool.cached_hashes()

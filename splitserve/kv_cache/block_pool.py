@@ -142,6 +142,16 @@ class BlockPool:
             num_evicted += self._evict(self._blocks[block_id])
         return num_evicted
 
+    def evict_cached(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Drop these hashes from the prefix cache where their blocks are free (a tenant
+        over its cache cap); blocks in use keep theirs. Returns how many were dropped."""
+        num_evicted = 0
+        for block_hash in block_hashes:
+            block_id = self._cached.get(block_hash)
+            if block_id is not None and self._blocks[block_id].ref_cnt == 0:
+                num_evicted += self._evict(self._blocks[block_id])
+        return num_evicted
+
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
 

@@ -18,7 +18,7 @@ MESSAGES: list[P.Message] = [
                await_kv=True, kv_timeout_s=30.0, recompute_on_failure=True),
     P.Prefill("r1", [1, 2], SamplingParams(max_tokens=4), None,
               {"transfer_id": "t", "address": "tcp://127.0.0.1:1"}),
-    P.Abort("r1"), P.ResyncKV(), P.Shutdown(),
+    P.Abort("r1"), P.ResyncKV(), P.Shutdown(), P.EvictBlocks([H1, H2]),
     P.WorkerReady("decode-0", "decode", 42, "ab" * 16, 16, 100, 2048, 64, "tcp://x:1", 4608),
     P.Output("r1", 1, [5, 6], 3, "hi", 1, [SampledToken(5, -0.5, [(5, -0.5), (9, -2.0)]),
                                              SampledToken(6, -0.1, None)],
