@@ -23,6 +23,7 @@ from splitserve.config import ServeConfig
 from splitserve.model.loader import open_checkpoint
 
 logger = logging.getLogger("splitserve.serve")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ClusterBackend:
@@ -56,9 +57,14 @@ class _Server(uvicorn.Server):
 
 
 def model_info(config: ServeConfig, max_model_len: int) -> ModelInfo:
+    """Served names as vLLM has them: `--served-model-name`, else the `--model` argument as
+    given; the checkpoint's base name (without .gguf) is accepted too."""
     ckpt = open_checkpoint(config.model)
-    name = config.served_model_name or os.path.basename(ckpt.path.rstrip("/"))
-    names = [name] if config.model is None or name == config.model else [name, config.model]
+    base = os.path.basename(ckpt.path.rstrip("/")).removesuffix(".gguf")
+    if config.model is None:
+        base = DEFAULT_MODEL_NAME
+    names = [n for n in (config.served_model_name, config.model, base) if n]
+    names = list(dict.fromkeys(names))
     return ModelInfo(served_model_names=names, tokenizer=ckpt.tokenizer,
                      max_model_len=max_model_len, created=int(time.time()))
 
