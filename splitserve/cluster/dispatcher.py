@@ -68,12 +68,14 @@ class _Flight:
 class Dispatcher:
     def __init__(self, router: Router, deadlines: DeadlineConfig, *,
                  max_queue_len: int = 256, recompute_on_kv_failure: bool = True,
+                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                  metrics: Metrics | None = None) -> None:
         self.router = router
         self.deadlines = deadlines
         self.max_queue_len = max_queue_len
         self.recompute_on_kv_failure = recompute_on_kv_failure
         self.metrics = metrics or Metrics()
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
         self.flights: dict[str, _Flight] = {}
         self.num_queued = 0
@@ -277,8 +279,15 @@ class Dispatcher:
         num_out = flight.merger.num_tokens
         if flight.first_token_at is not None and outcome in ("stop", "length"):
             m.e2e.observe(now - flight.arrival)
+            ttft = flight.first_token_at - flight.arrival
+            tpot = (now - flight.first_token_at) / (num_out - 1) if num_out > 1 else 0.0
             if num_out > 1:
-                m.tpot.observe((now - flight.first_token_at) / (num_out - 1))
+                m.tpot.observe(tpot)
+            met_ttft = self.slo_ttft_s is None or ttft <= self.slo_ttft_s
+            met_tpot = self.slo_tpot_s is None or tpot <= self.slo_tpot_s
+            for slo, met in (("ttft", met_ttft), ("tpot", met_tpot), ("all", met_ttft and met_tpot)):
+                if met:
+                    m.slo_attained.labels(slo).inc()
         self._notify_capacity()
 
     def _hashes(self, req: GenerateRequest) -> list[bytes]:

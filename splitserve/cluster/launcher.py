@@ -62,7 +62,9 @@ class Cluster:
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
-            recompute_on_kv_failure=cfg.recompute_on_kv_failure)
+            recompute_on_kv_failure=cfg.recompute_on_kv_failure,
+            slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
+            slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None)
         dispatcher.start()
         specs = worker_specs(cfg, dispatcher.address)
         try:

@@ -85,6 +85,9 @@ class Metrics:
                                 registry=r)
         self.workers = Gauge("splitserve_workers", "Workers by role and health",
                              ["role", "state"], registry=r)
+        self.slo_attained = Counter("splitserve_slo_attained_requests",
+                                    "Completed requests meeting the configured SLO "
+                                    "(ttft, tpot, or all of them)", ["slo"], registry=r)
         self.index_blocks = Gauge("splitserve_router_indexed_blocks",
                                   "Distinct block hashes in the router's prefix index",
                                   registry=r)

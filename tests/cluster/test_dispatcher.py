@@ -1,0 +1,216 @@
+"""The dispatcher against scripted workers: real ZeroMQ sockets speaking protocol.py, no
+engines (the real workers are tested end to end in tests/api/test_serving_e2e.py)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.cluster.router import Router, RouterConfig
+from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.config import DeadlineConfig
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.errors import InvalidRequestError, RequestTimeout, WorkerFailed
+
+FINGERPRINT = "f" * 32
+
+
+class ScriptedWorker:
+    """A worker's socket, driven by the test."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, role: str, index: int = 0,
+                 epoch: int = 1) -> None:
+        self.worker_id = f"{role}-{index}"
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, f"{self.worker_id}:{epoch}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.role = role
+
+    async def register(self) -> None:
+        await self.send(P.WorkerReady(self.worker_id, self.role, 1, FINGERPRINT, 16, 100, 2048,
+                                      8, "tcp://127.0.0.1:1" if self.role != "prefill" else None,
+                                      1000))
+
+    async def send(self, msg: P.Message) -> None:
+        await self.sock.send(P.encode(msg))
+
+    async def recv(self, timeout_s: float = 5.0) -> P.Message:
+        frame = await asyncio.wait_for(self.sock.recv(), timeout_s)
+        return P.decode(frame)
+
+    async def expect(self, kind: type, timeout_s: float = 5.0) -> Any:
+        while True:  # skip what the test does not look at (e.g. ResyncKV)
+            msg = await self.recv(timeout_s)
+            if isinstance(msg, kind):
+                return msg
+
+
+def output(rid: str, offset: int, tokens: list[int], text_offset: int, text: str,
+           finished: bool = False) -> P.Output:
+    return P.Output(rid, offset, tokens, text_offset, text, offset, None, finished,
+                    "length" if finished else None, None, 3, 0)
+
+
+Scenario = Callable[[Dispatcher, zmq.asyncio.Context], Awaitable[None]]
+
+
+def run(scenario: Scenario, deadlines: DeadlineConfig | None = None,
+        policy: str = "auto") -> None:
+    async def main() -> None:
+        dispatcher = Dispatcher(Router(RouterConfig(disagg=policy)),
+                                deadlines or DeadlineConfig())
+        dispatcher.start()
+        ctx = zmq.asyncio.Context()
+        try:
+            await asyncio.wait_for(scenario(dispatcher, ctx), 20)
+        finally:
+            await dispatcher.close()
+            ctx.destroy(linger=0)
+    asyncio.run(main())
+
+
+async def workers(d: Dispatcher, ctx: zmq.asyncio.Context, *roles: str) -> list[ScriptedWorker]:
+    ws = [ScriptedWorker(ctx, d.address, role) for role in roles]
+    for w in ws:
+        await w.register()
+    await d.wait_for_workers(len(ws), 5)
+    return ws
+
+
+def request(rid: str = "r1", max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+async def collect(stream: AsyncIterator[StreamDelta]) -> list[StreamDelta]:
+    return [delta async for delta in stream]
+
+
+def test_local_request_streams_and_draws_a_seed() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        gen = await w.expect(P.Generate)
+        assert not gen.await_kv and gen.params.seed is not None  # drawn by the frontend
+        await w.send(output("r1", 0, [7], 0, "a"))
+        await w.send(output("r1", 1, [8], 1, "b", finished=True))
+        deltas = await task
+        assert [x.token_ids for x in deltas] == [[7], [8]] and deltas[-1].finished
+        assert not d.flights and d.health()["in_flight"] == 0
+    run(scenario)
+
+
+def test_remote_prefill_flow_merges_both_workers() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        gen = await dec.expect(P.Generate)
+        assert gen.await_kv
+        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
+        pre = await p.expect(P.Prefill)
+        assert pre.plan == {"transfer_id": "t1"} and pre.params.seed == gen.params.seed
+        await p.send(output("r1", 0, [5], 0, "x"))  # the first token, from P
+        await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D's commit repeats it
+        await dec.send(output("r1", 2, [9], 2, "z", finished=True))
+        deltas = await task
+        assert [x.token_ids for x in deltas] == [[5], [6], [9]]
+        assert "".join(x.text for x in deltas) == "xyz"
+        abort = await p.expect(P.Abort)  # P never said it finished: it is told to drop it
+        assert abort.request_id == "r1"
+    run(scenario, policy="always")
+
+
+def test_an_event_gap_asks_the_worker_for_a_snapshot() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        await w.send(P.KVEventBatch(1, []))
+        await w.send(P.KVEventBatch(3, []))  # batch 2 was lost
+        await w.expect(P.ResyncKV)
+    run(scenario)
+
+
+def test_a_silent_worker_is_removed_and_its_requests_fail() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        stream = d.generate(request())
+        task = asyncio.create_task(collect(stream))
+        await w.expect(P.Generate)
+        with pytest.raises(WorkerFailed, match="heartbeat"):
+            await task
+        assert d.health()["workers"] == [] and not d.is_ready()
+    run(scenario, DeadlineConfig(heartbeat_timeout_s=0.5))
+
+
+def test_a_stalled_decode_times_out_and_is_aborted() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a"))
+        with pytest.raises(RequestTimeout) as err:
+            await task
+        assert err.value.stage == "decode"
+        assert (await w.expect(P.Abort)).request_id == "r1"
+    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3))
+
+
+def test_worker_errors_reach_the_caller_typed() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await w.expect(P.Generate)
+        await w.send(P.RequestFailed("r1", "InvalidRequestError", "bad token", "prompt"))
+        with pytest.raises(InvalidRequestError) as err:
+            await task
+        assert err.value.field == "prompt"
+    run(scenario)
+
+
+def test_closing_the_stream_aborts_on_the_worker() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        stream = d.generate(request())
+        first = asyncio.create_task(stream.__anext__())
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a"))
+        await first
+        await stream.aclose()  # the client went away
+        assert (await w.expect(P.Abort)).request_id == "r1"
+        assert not d.flights
+    run(scenario)
+
+
+def test_messages_from_unknown_or_replaced_workers_are_ignored() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await w.expect(P.Generate)
+        stranger = ScriptedWorker(ctx, d.address, "both", index=7)
+        await stranger.send(output("r1", 0, [666], 0, "evil", finished=True))
+        new = ScriptedWorker(ctx, d.address, "both", epoch=2)  # a restart of both-0
+        await new.register()
+        await asyncio.sleep(0.2)
+        await w.send(output("r1", 0, [1], 0, "old epoch", finished=True))  # fenced off
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()
+    run(scenario)
+
+
+def test_prompt_too_long_and_no_workers_are_refused_up_front() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        from splitserve.errors import AdmissionRejected
+        with pytest.raises(AdmissionRejected) as err:
+            await collect(d.generate(request()))
+        assert err.value.status_code == 503
+        await workers(d, ctx, "both")
+        long = GenerateRequest("r2", [1] * 2048, SamplingParams())
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await collect(d.generate(long))
+    run(scenario)
