@@ -10,10 +10,10 @@ random tokens, in 8 tenant namespaces), each chain stored by 1-4 random workers 
 `BlockStored` events, so the index holds ~250K (hash, worker) entries. Each route is a
 prompt of 1-128 blocks (a quarter of them 128 blocks = 2048+ tokens,
 the rest triangular with mode 96); 60% of them start with a random leading part of an
-indexed chain and then diverge, the rest are new. Between routes (untimed, as in the
-dispatcher) one worker's load report arrives, and the request is dispatched and later
-finished, so in-flight accounting is exercised. Timed: each `route()` call on its own
-(`perf_counter`), and separately `PrefixIndex.match()` alone and event application.
+indexed chain and then diverge, the rest are new. Between routes one worker's load
+report arrives, and the request is dispatched and later finished, so in-flight accounting
+is exercised. Timed, each call on its own (`perf_counter`): `route()`; separately
+`PrefixIndex.match()` alone, `update_load()`, `on_dispatched()` and event application.
 Prompt hashing is the dispatcher's cost, not the router's: it is reported on its own.
 """
 from __future__ import annotations
@@ -60,14 +60,12 @@ def build(num_blocks: int, rng: random.Random) -> tuple[Router, list[tuple[str, 
     seqs = {f"w{i}": 0 for i in range(len(ROLES))}
     chains: list[tuple[str, list[BlockHash]]] = []
     apply_s = 0.0
-    total = 0
-    while total < num_blocks:
-        length = min(rng.randrange(32, 257), num_blocks - total)
+    while router.num_indexed_blocks < num_blocks:
+        length = min(rng.randrange(32, 257), num_blocks - router.num_indexed_blocks)
         tenant = f"t{rng.randrange(NUM_TENANTS)}"
         tokens = [rng.randrange(50000) for _ in range(length * BS)]
         hashes = hash_full_blocks(root_hash(FP, tenant), tokens, BS)
         chains.append((tenant, hashes))
-        total += length
         for worker_id in rng.sample(sorted(seqs), rng.randrange(1, 5)):
             # Workers hold a random leading part (most of the chain, as after eviction of tails).
             held = hashes[:max(1, int(length * rng.uniform(0.5, 1.0)))]
@@ -122,6 +120,8 @@ def run(num_blocks: int, num_routes: int, seed: int) -> tuple[list[list[object]]
     route_t: list[float] = []
     match_t: list[float] = []
     long_t: list[float] = []
+    report_t: list[float] = []
+    dispatch_t: list[float] = []
     remote = cached = 0
     finish_queue: list[str] = []
     for req in reqs:
@@ -134,12 +134,17 @@ def run(num_blocks: int, num_routes: int, seed: int) -> tuple[list[list[object]]
         t0 = time.perf_counter()
         router.index.match(req.block_hashes)
         match_t.append(time.perf_counter() - t0)
-        # Untimed: what the dispatcher does between two routes.
-        router.update_load(rng.choice(worker_ids), random_load(rng))
+        # What the dispatcher does between two routes, timed separately.
+        new_load = random_load(rng)
+        t0 = time.perf_counter()
+        router.update_load(rng.choice(worker_ids), new_load)
+        report_t.append(time.perf_counter() - t0)
         if decision is not None:
             remote += decision.prefill_worker is not None
             cached += decision.num_cached_tokens > 0
+            t0 = time.perf_counter()
             router.on_dispatched(decision, req)
+            dispatch_t.append(time.perf_counter() - t0)
             finish_queue.append(req.request_id)
         if len(finish_queue) > 256:
             router.on_finished(finish_queue.pop(0))
@@ -148,6 +153,10 @@ def run(num_blocks: int, num_routes: int, seed: int) -> tuple[list[list[object]]
         ["`Router.route()`, all prompts", len(route_t), *percentiles(route_t)],
         ["`Router.route()`, 128-block prompts", len(long_t), *percentiles(long_t)],
         ["`PrefixIndex.match()` alone", len(match_t), *percentiles(match_t)],
+        ["`Router.update_load()` (rebuilds the worker's column)", len(report_t),
+         *percentiles(report_t)],
+        ["`Router.on_dispatched()` (load + tenant claim)", len(dispatch_t),
+         *percentiles(dispatch_t)],
     ]
     info = {
         "workers": f"{len(ROLES)} (16 prefill, 40 decode, 8 both)",

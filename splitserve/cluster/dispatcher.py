@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from splitserve.cluster import protocol as P
+from splitserve.cluster.admission import AdmissionQueue
 from splitserve.cluster.metrics import Metrics
 from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
 from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger, WorkerOutput
@@ -57,6 +58,8 @@ class _Flight:
     stage: Stage = Stage.QUEUED
     queue: asyncio.Queue[WorkerOutput | BaseException] = field(default_factory=asyncio.Queue)
     merger: StreamMerger = field(default_factory=StreamMerger)
+    route_req: RouteRequest | None = None
+    admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
     decision: RouteDecision | None = None
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
     done_workers: set[bytes] = field(default_factory=set)  # reported it finished
@@ -78,7 +81,7 @@ class Dispatcher:
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
         self.flights: dict[str, _Flight] = {}
-        self.num_queued = 0
+        self.admission: AdmissionQueue[_Flight] = AdmissionQueue(max_queue_len)
         self.max_model_len = 0
         self.block_size = 16
         self.ctx = zmq.asyncio.Context()
@@ -87,7 +90,6 @@ class Dispatcher:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
-        self._capacity = asyncio.Condition()
         self._registered = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._roots: dict[str | None, bytes] = {}
@@ -176,53 +178,53 @@ class Dispatcher:
 
     async def _place(self, flight: _Flight) -> None:
         req = flight.request
-        route_req = RouteRequest(
+        flight.route_req = RouteRequest(
             request_id=req.request_id, block_hashes=self._hashes(req),
             num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.params.max_tokens,
             tenant=req.tenant)
-        decision = self._route(route_req)
+        # Strict FIFO: while others wait, a newcomer queues behind them.
+        decision = None if len(self.admission) else self._claim(flight)
         if decision is None:
-            if self.num_queued >= self.max_queue_len:
+            if not self.admission.offer(flight, time.monotonic()):
                 self.metrics.admission_rejections.labels("429").inc()
                 raise AdmissionRejected(
-                    f"server overloaded: {self.num_queued} requests already queued",
-                    retry_after_s=self.router.retry_after_s(self.num_queued))
-            self.num_queued += 1
+                    f"server overloaded: {len(self.admission)} requests already queued",
+                    retry_after_s=self.router.retry_after_s(len(self.admission)))
+            flight.admitted = asyncio.get_running_loop().create_future()
             try:
-                async with self._capacity:
-                    while decision is None:
-                        left = flight.stage_deadline - time.monotonic()
-                        if left <= 0:
-                            waited = time.monotonic() - flight.arrival
-                            raise RequestTimeout(
-                                f"no worker had room for {waited:.1f} s (queue timeout "
-                                f"{self.deadlines.queue_timeout_s:g} s or the request "
-                                "deadline)", stage="queue")
-                        try:
-                            await asyncio.wait_for(self._capacity.wait(), min(left, 0.5))
-                        except TimeoutError:
-                            pass
-                        decision = self._route(route_req)
+                decision = await flight.admitted  # the reaper fails it at the queue deadline
             finally:
-                self.num_queued -= 1
+                self.admission.remove(flight)
         self.metrics.queue_time.labels("admission").observe(time.monotonic() - flight.arrival)
-        self.router.on_dispatched(decision, route_req)
-        for worker_id, hashes in self.router.take_evictions().items():
-            worker = self.table.by_id.get(worker_id)
-            if worker is not None and hashes:
-                self._send(worker.identity, P.EvictBlocks(hashes))
-        flight.decision = decision
         flight.stage = Stage.PREFILL
         flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
         self._dispatch(flight, decision)
 
-    def _route(self, route_req: RouteRequest) -> RouteDecision | None:
+    def _claim(self, flight: _Flight) -> RouteDecision | None:
+        """Routes the request and, when placed, books it on its workers at once, so the
+        next decision (of a burst, or of the queue) sees that load."""
+        assert flight.route_req is not None
         t0 = time.perf_counter()
-        decision = self.router.route(route_req)
+        decision = self.router.route(flight.route_req)
         self.metrics.router_seconds.observe(time.perf_counter() - t0)
-        if decision is not None:
-            self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
+        if decision is None:
+            return None
+        self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
+        self.router.on_dispatched(decision, flight.route_req)
+        flight.decision = decision
+        for worker_id, hashes in self.router.take_evictions().items():
+            worker = self.table.by_id.get(worker_id)
+            if worker is not None and hashes:
+                self._send(worker.identity, P.EvictBlocks(hashes))
         return decision
+
+    def _admit_queued(self) -> None:
+        """Capacity may have freed up: place queued requests, oldest first."""
+        if not len(self.admission):
+            return
+        for flight, decision in self.admission.pop_ready(self._claim, time.monotonic()):
+            if flight.admitted is not None and not flight.admitted.done():
+                flight.admitted.set_result(decision)
 
     def _dispatch(self, flight: _Flight, decision: RouteDecision) -> None:
         req = flight.request
@@ -288,7 +290,7 @@ class Dispatcher:
             for slo, met in (("ttft", met_ttft), ("tpot", met_tpot), ("all", met_ttft and met_tpot)):
                 if met:
                     m.slo_attained.labels(slo).inc()
-        self._notify_capacity()
+        self._admit_queued()
 
     def _hashes(self, req: GenerateRequest) -> list[bytes]:
         fingerprint = self.table.fingerprint
@@ -348,6 +350,7 @@ class Dispatcher:
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
+        self._admit_queued()
         del info
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
@@ -393,7 +396,7 @@ class Dispatcher:
         _set_counter(m.prefix_hit_tokens.labels(wid, "device"), msg.num_prefix_hit_tokens)
         _set_counter(m.prefix_query_tokens.labels(wid), msg.num_prompt_tokens)
         m.index_blocks.set(self.router.num_indexed_blocks)
-        self._notify_capacity()
+        self._admit_queued()
 
     # -- deadlines and health -------------------------------------------------------------------
     async def _reaper_loop(self) -> None:
@@ -402,7 +405,14 @@ class Dispatcher:
             now = time.monotonic()
             for flight in list(self.flights.values()):
                 if flight.stage is Stage.QUEUED:
-                    continue  # the admission wait enforces its own deadline
+                    if now >= flight.stage_deadline and flight.admitted is not None \
+                            and not flight.admitted.done():
+                        self.metrics.failures.labels("timeout_queue").inc()
+                        flight.admitted.set_exception(RequestTimeout(
+                            f"no worker had room for {now - flight.arrival:.1f} s (queue "
+                            f"timeout {self.deadlines.queue_timeout_s:g} s or the request "
+                            "deadline)", stage="queue"))
+                    continue
                 if now >= flight.deadline:
                     self._expire(flight, "request", "the request deadline")
                 elif now >= flight.stage_deadline:
@@ -437,12 +447,6 @@ class Dispatcher:
         for w in self.table.workers.values():
             self.metrics.workers.labels(w.role, "healthy" if w.healthy else "unhealthy").inc()
 
-    def _notify_capacity(self) -> None:
-        async def notify() -> None:
-            async with self._capacity:
-                self._capacity.notify_all()
-        if self.num_queued:
-            asyncio.get_running_loop().create_task(notify())
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
         kind = type(msg).__name__
@@ -468,7 +472,7 @@ class Dispatcher:
         return {"workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy,
                              "pid": w.ready.pid, "requests": len(w.request_ids)}
                             for w in self.table.workers.values()],
-                "in_flight": len(self.flights), "queued": self.num_queued}
+                "in_flight": len(self.flights), "queued": len(self.admission)}
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()

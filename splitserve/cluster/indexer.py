@@ -23,6 +23,7 @@ tenant's distinct indexed blocks; `evict_tenant` drops its least recently used o
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,9 +61,9 @@ class PrefixIndex:
         self._slot_owner: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
         self._num_entries = 0
-        self._claims: dict[BlockHash, str] = {}
+        self._claims: OrderedDict[BlockHash, str] = OrderedDict()  # oldest first
         # tenant -> its nodes' hashes, least recently used first
-        self._tenant_lru: dict[str, dict[BlockHash, None]] = {}
+        self._tenant_lru: dict[str, OrderedDict[BlockHash, None]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -165,23 +166,27 @@ class PrefixIndex:
 
     # -- tenants -----------------------------------------------------------------------
     def claim(self, block_hashes: Sequence[BlockHash], tenant: str) -> None:
-        """Attribute these hashes to `tenant` (first owner wins) and mark the indexed
-        ones as just used. Hashes not indexed yet are remembered until stored."""
-        lru = self._tenant_lru.setdefault(tenant, {})
-        # NOTE: touched from the tail to the root, so a chain's tail is the older end and
-        # `evict_tenant` drops chains tail-first, never cutting a prefix out from under them.
-        for block_hash in reversed(block_hashes):
+        """Attribute a request's chain to `tenant` (first owner wins) and mark its indexed
+        prefix as just used. The first hash not indexed yet is remembered until some
+        worker stores it; the blocks after it inherit the tenant from their parent."""
+        lru = self._tenant_lru.setdefault(tenant, OrderedDict())
+        indexed: list[tuple[BlockHash, _Node]] = []
+        for block_hash in block_hashes:
             node = self._nodes.get(block_hash)
             if node is None:
-                if len(self._claims) >= MAX_PENDING_CLAIMS and block_hash not in self._claims:
-                    del self._claims[next(iter(self._claims))]
+                if block_hash not in self._claims and len(self._claims) >= MAX_PENDING_CLAIMS:
+                    self._claims.popitem(last=False)
                 self._claims.setdefault(block_hash, tenant)
-            elif node.tenant is None:
+                break
+            indexed.append((block_hash, node))
+        # NOTE: touched from the tail to the root, so a chain's tail is the older end and
+        # `evict_tenant` drops chains tail-first, never cutting a prefix out from under them.
+        for block_hash, node in reversed(indexed):
+            if node.tenant is None:
                 node.tenant = tenant
                 lru[block_hash] = None
             elif node.tenant == tenant:
-                del lru[block_hash]
-                lru[block_hash] = None
+                lru.move_to_end(block_hash)
 
     def tenants(self) -> list[str]:
         """Tenants that own indexed blocks."""
@@ -195,7 +200,7 @@ class PrefixIndex:
         """Remove up to `num_blocks` of the tenant's blocks from the index, least
         recently used leaves first (a chain loses its tail before its root), and return,
         per worker, the hashes it held among them (for the caller to evict there)."""
-        lru = self._tenant_lru.get(tenant, {})
+        lru = self._tenant_lru.get(tenant, OrderedDict())
         evicted: dict[str, list[BlockHash]] = {}
         num_left = min(num_blocks, len(lru))
         leaves_only = True
@@ -290,7 +295,7 @@ class PrefixIndex:
             if parent_node is not None:
                 parent_node.num_children += 1
             if tenant is not None:
-                self._tenant_lru.setdefault(tenant, {})[block_hash] = None
+                self._tenant_lru.setdefault(tenant, OrderedDict())[block_hash] = None
         node.mask |= 1 << entry.slot
         entry.hashes.add(block_hash)
         self._num_entries += 1

@@ -94,8 +94,9 @@ class Router:
         self._pooled_prefill = PrefillCostModel(self.config.cost)
         self._pooled_decode = DecodeStepModel(self.config.cost)
         self._in_flight: dict[str, tuple[str, ...]] = {}  # request id -> its workers
+        # NOTE: a worker's column is rebuilt as soon as its load or cost model changes (a
+        # few us per report), so route() never pays for reports that arrived before it.
         self._columns = WorkerColumns()
-        self._stale: set[str] = set()  # workers whose column must be rebuilt before scoring
         self._stats = RouterStats()
 
     # -- membership, load, events, timings -------------------------------------------------
@@ -109,13 +110,12 @@ class Router:
             worker.role = role
             worker.report(load)
         # Columns are in registration order, so ties go to the first registered worker.
-        self._columns.set(worker_id, self._workers[worker_id].terms())
+        self._refresh(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and every index entry it had; unknown ids are ignored."""
         self._workers.pop(worker_id, None)
         self._columns.remove(worker_id)
-        self._stale.discard(worker_id)
         self.index.remove_worker(worker_id)
 
     def worker_ids(self) -> list[str]:
@@ -126,7 +126,7 @@ class Router:
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.report(load)
-            self._stale.add(worker_id)
+            self._refresh(worker_id)
 
     def apply_events(self, worker_id: str, seq: int, events: Sequence[KVEvent]) -> bool:
         """Feed a batch of KV events; False: the caller must fetch a snapshot from the
@@ -146,21 +146,23 @@ class Router:
         worker = self._workers.get(worker_id)
         if worker is not None:
             if worker.prefill_model.observe(num_tokens, seconds):
-                self._stale.add(worker_id)
+                self._refresh(worker_id)
             if self._pooled_prefill.observe(num_tokens, seconds):
                 # Unfitted workers predict with the pooled model.
-                self._stale.update(w for w, state in self._workers.items()
-                                   if not state.prefill_model.is_fitted)
+                for other_id, other in self._workers.items():
+                    if not other.prefill_model.is_fitted:
+                        self._refresh(other_id)
 
     def observe_decode_step(self, worker_id: str, num_seqs: int, seconds: float) -> None:
         """A measured decode step over `num_seqs` sequences on a worker."""
         worker = self._workers.get(worker_id)
         if worker is not None:
             if worker.decode_model.observe(num_seqs, seconds):
-                self._stale.add(worker_id)
+                self._refresh(worker_id)
             if self._pooled_decode.observe(num_seqs, seconds):
-                self._stale.update(w for w, state in self._workers.items()
-                                   if not state.decode_model.is_fitted)
+                for other_id, other in self._workers.items():
+                    if not other.decode_model.is_fitted:
+                        self._refresh(other_id)
 
     # -- routing ---------------------------------------------------------------------------
     def route(self, req: RouteRequest) -> RouteDecision | None:
@@ -183,7 +185,7 @@ class Router:
         if req.num_prompt_tokens <= 0:
             raise ValueError(f"request {req.request_id!r} has {req.num_prompt_tokens} prompt "
                              f"tokens; the router places non-empty prompts only")
-        columns = self._refreshed_columns()
+        columns = self._columns
         hit_blocks = np.zeros(len(columns))
         for worker_id, num_blocks in self.index.match(req.block_hashes).items():
             hit_blocks[columns.column_of(worker_id)] = num_blocks
@@ -217,11 +219,8 @@ class Router:
                   else RouteReason.REMOTE_FASTER)
         return RouteDecision.remote(s, prefill, decode, ids, reason)
 
-    def _refreshed_columns(self) -> WorkerColumns:
-        for worker_id in self._stale:
-            self._columns.set(worker_id, self._workers[worker_id].terms())
-        self._stale.clear()
-        return self._columns
+    def _refresh(self, worker_id: str) -> None:
+        self._columns.set(worker_id, self._workers[worker_id].terms())
 
     # -- in-flight accounting, tenants, stats ----------------------------------------------
     def on_dispatched(self, decision: RouteDecision, req: RouteRequest) -> None:
@@ -245,7 +244,7 @@ class Router:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.dispatch(req.request_id, share)
-                self._stale.add(worker_id)
+                self._refresh(worker_id)
         self._in_flight[req.request_id] = tuple(shares)
         if req.tenant is not None:
             self.index.claim(req.block_hashes, req.tenant)
@@ -257,7 +256,7 @@ class Router:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.finish(request_id)
-                self._stale.add(worker_id)
+                self._refresh(worker_id)
 
     def tenant_blocks(self, tenant: str) -> int:
         """Distinct blocks of `tenant` cached anywhere (as far as the index knows)."""

@@ -1,6 +1,6 @@
 """Scores one request against every worker at once (DESIGN.md 5; the formulas are in
 router.py's docstring). Each worker's request-independent terms sit in one column of
-`WorkerColumns`, refreshed only when that worker changes, so a route costs a few dozen
+`WorkerColumns`, rebuilt whenever that worker changes, so a route costs a few dozen
 numpy operations over all workers instead of a Python loop per worker (64 workers: a
 route takes ~60 us instead of ~250 us on a 2-core machine).
 

@@ -25,7 +25,8 @@ class ScriptedWorker:
     """A worker's socket, driven by the test."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, role: str, index: int = 0,
-                 epoch: int = 1) -> None:
+                 epoch: int = 1, max_num_seqs: int = 8) -> None:
+        self.max_num_seqs = max_num_seqs
         self.worker_id = f"{role}-{index}"
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, f"{self.worker_id}:{epoch}".encode())
@@ -35,7 +36,7 @@ class ScriptedWorker:
 
     async def register(self) -> None:
         await self.send(P.WorkerReady(self.worker_id, self.role, 1, FINGERPRINT, 16, 100, 2048,
-                                      8, "tcp://127.0.0.1:1" if self.role != "prefill" else None,
+                                      self.max_num_seqs, "tcp://127.0.0.1:1" if self.role != "prefill" else None,
                                       1000))
 
     async def send(self, msg: P.Message) -> None:
@@ -62,10 +63,10 @@ Scenario = Callable[[Dispatcher, zmq.asyncio.Context], Awaitable[None]]
 
 
 def run(scenario: Scenario, deadlines: DeadlineConfig | None = None,
-        policy: str = "auto") -> None:
+        policy: str = "auto", max_queue_len: int = 256) -> None:
     async def main() -> None:
         dispatcher = Dispatcher(Router(RouterConfig(disagg=policy)),
-                                deadlines or DeadlineConfig())
+                                deadlines or DeadlineConfig(), max_queue_len=max_queue_len)
         dispatcher.start()
         ctx = zmq.asyncio.Context()
         try:
@@ -214,3 +215,28 @@ def test_prompt_too_long_and_no_workers_are_refused_up_front() -> None:
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await collect(d.generate(long))
     run(scenario)
+
+
+def test_admission_queue_is_fifo_bounded_and_times_out() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        from splitserve.errors import AdmissionRejected
+        w = ScriptedWorker(ctx, d.address, "both", max_num_seqs=1)
+        await w.register()
+        await d.wait_for_workers(1, 5)
+        tasks = {}
+        for rid in ("r1", "r2", "r3"):
+            tasks[rid] = asyncio.create_task(collect(d.generate(request(rid))))
+            await asyncio.sleep(0.05)
+        assert (await w.expect(P.Generate)).request_id == "r1"
+        assert d.health()["queued"] == 2
+        with pytest.raises(AdmissionRejected) as err:  # the queue holds two
+            await collect(d.generate(request("r4")))
+        assert err.value.status_code == 429 and err.value.retry_after_s >= 1
+        await w.send(output("r1", 0, [1], 0, "a", finished=True))
+        await tasks["r1"]
+        assert (await w.expect(P.Generate)).request_id == "r2"  # oldest first
+        with pytest.raises(RequestTimeout) as timeout:  # r3 waits past its queue timeout
+            await tasks["r3"]
+        assert timeout.value.stage == "queue"
+        tasks["r2"].cancel()
+    run(scenario, DeadlineConfig(queue_timeout_s=1.0), max_queue_len=2)

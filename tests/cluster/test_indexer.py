@@ -2,9 +2,11 @@
 tenant accounting, and a property test against a dict-of-sets model."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitserve.cluster import indexer
 from splitserve.cluster.indexer import PrefixIndex
 from splitserve.kv_cache import KVCacheManager
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
@@ -213,3 +215,16 @@ def test_index_matches_a_dict_of_sets_model(ops: list[tuple]) -> None:
                 if n:
                     expected[w] = n
             assert index.match(probe) == expected
+
+
+def test_pending_claims_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(indexer, "MAX_PENDING_CLAIMS", 2)
+    index = PrefixIndex()
+    chains = [chain(list(range(2 * BS)), f"ns{i}") for i in range(3)]
+    for i, hashes in enumerate(chains):
+        index.claim(hashes, f"t{i}")  # only the first unindexed hash is remembered
+    for seq, hashes in enumerate(chains):
+        index.apply("w", seq, [stored(hashes)])
+    # The oldest claim was forgotten: chain 0 is nobody's.
+    assert [index.tenant_blocks(f"t{i}") for i in range(3)] == [0, 2, 2]
+    index.check_invariants()
