@@ -121,14 +121,15 @@ class _Samples:
         return None
 
 
-class PrefillCostModel:
-    """Seconds to prefill t uncached tokens on one worker (or pooled over workers)."""
+class _FittedCurve:
+    """Seconds as a fitted polynomial of one count: own fit, else the fallback model's
+    (e.g. pooled over workers), else the configured prior."""
 
-    def __init__(self, config: CostModelConfig,
-                 fallback: PrefillCostModel | None = None) -> None:
-        self._samples = _Samples(config, max_degree=2)
+    def __init__(self, config: CostModelConfig, max_degree: int, prior: Quadratic,
+                 fallback: _FittedCurve | None) -> None:
+        self._samples = _Samples(config, max_degree=max_degree)
         self._fallback = fallback
-        self._prior = Quadratic(config.prefill_fixed_s, config.prefill_per_token_s, 0.0)
+        self._prior = prior
 
     @property
     def num_samples(self) -> int:
@@ -147,10 +148,19 @@ class PrefillCostModel:
             return fit
         return self._fallback.coefficients if self._fallback is not None else self._prior
 
-    def observe(self, num_tokens: int, seconds: float) -> bool:
-        """Record a measured prefill of `num_tokens` tokens (one request's prompt);
-        True when the fitted curve changed."""
-        return self._samples.add(num_tokens, seconds)
+    def observe(self, x: int, seconds: float) -> bool:
+        """Record one measurement; True when the fitted curve changed."""
+        return self._samples.add(x, seconds)
+
+
+class PrefillCostModel(_FittedCurve):
+    """Seconds to prefill t uncached tokens on one worker (or pooled over workers):
+    `a + b*t + c*t^2`."""
+
+    def __init__(self, config: CostModelConfig,
+                 fallback: PrefillCostModel | None = None) -> None:
+        super().__init__(config, 2, Quadratic(config.prefill_fixed_s,
+                                              config.prefill_per_token_s, 0.0), fallback)
 
     def predict(self, num_tokens: int) -> float:
         """Predicted seconds; 0 for no tokens, never negative, non-decreasing in t."""
@@ -166,32 +176,13 @@ class PrefillCostModel:
         return num_seqs * self.predict(-(-num_tokens // num_seqs))
 
 
-class DecodeStepModel:
+class DecodeStepModel(_FittedCurve):
     """Seconds of one decode step with n running sequences: `a + b*n`, fitted like
     `PrefillCostModel` (linear only)."""
 
     def __init__(self, config: CostModelConfig, fallback: DecodeStepModel | None = None) -> None:
-        self._samples = _Samples(config, max_degree=1)
-        self._fallback = fallback
-        self._prior = Quadratic(config.decode_step_base_s, config.decode_step_per_seq_s, 0.0)
-
-    @property
-    def is_fitted(self) -> bool:
-        """True when predictions come from this model's own samples."""
-        return self._samples.fit is not None
-
-    @property
-    def coefficients(self) -> Quadratic:
-        """The line in use (c == 0): own fit, else the fallback's, else the prior."""
-        fit = self._samples.fit
-        if fit is not None:
-            return fit
-        return self._fallback.coefficients if self._fallback is not None else self._prior
-
-    def observe(self, num_seqs: int, seconds: float) -> bool:
-        """Record a measured decode step over `num_seqs` sequences; True when the fitted
-        line changed."""
-        return self._samples.add(num_seqs, seconds)
+        super().__init__(config, 1, Quadratic(config.decode_step_base_s,
+                                              config.decode_step_per_seq_s, 0.0), fallback)
 
     def predict(self, num_seqs: int) -> float:
         """Predicted seconds of one step; 0 with nothing running."""

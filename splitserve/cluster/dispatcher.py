@@ -29,7 +29,7 @@ from splitserve.cluster import protocol as P
 from splitserve.cluster.admission import AdmissionQueue
 from splitserve.cluster.metrics import Metrics
 from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
-from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger, WorkerOutput
+from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger
 from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
@@ -56,7 +56,7 @@ class _Flight:
     deadline: float
     stage_deadline: float
     stage: Stage = Stage.QUEUED
-    queue: asyncio.Queue[WorkerOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[P.Output | BaseException] = field(default_factory=asyncio.Queue)
     merger: StreamMerger = field(default_factory=StreamMerger)
     route_req: RouteRequest | None = None
     admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
@@ -359,10 +359,7 @@ class Dispatcher:
             return
         if msg.finished:
             flight.done_workers.add(worker.identity)
-        flight.queue.put_nowait(WorkerOutput(
-            msg.token_offset, msg.token_ids, msg.text_offset, msg.text, msg.logprobs_offset,
-            msg.logprobs, msg.finished, msg.finish_reason, msg.stop_reason,
-            msg.num_prompt_tokens, msg.num_cached_tokens))
+        flight.queue.put_nowait(msg)
 
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
         self.metrics.failures.labels(msg.kind).inc()

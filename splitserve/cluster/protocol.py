@@ -93,7 +93,8 @@ class WorkerReady:
 
 @dataclass(slots=True)
 class Output:
-    """A request's new output, positioned (see cluster/stream.py)."""
+    """A request's new output, positioned in the request's output (token, text and
+    logprob offsets) so outputs of several workers merge exactly (cluster/stream.py)."""
     request_id: str
     token_offset: int
     token_ids: list[int]

@@ -3,9 +3,9 @@ turns a request's outputs from several workers into one stream.
 
 In disaggregated serving a request's tokens come from two workers: the prefill worker
 samples the first token, the decode worker commits the imported KV with that token and
-samples the rest (after a failure, a third worker may replay). Every worker output says
-where it starts (`token_offset`, `text_offset`, counted from the request's first output
-token), so the merger keeps exactly one copy of each position: nothing lost, nothing
+samples the rest (after a failure, a third worker may replay). Every worker `Output`
+(protocol.py) says where it starts (`token_offset`, `text_offset`, counted from the
+request's first output token), so the merger keeps exactly one copy of each position: nothing lost, nothing
 duplicated, whichever worker sent it. Output text is a pure function of the output token
 ids (and the stop strings), so text from different workers joins up exactly.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.cluster.protocol import Output
 from splitserve.engine.batch import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -46,22 +47,6 @@ class StreamDelta:
 
 
 @dataclass(slots=True)
-class WorkerOutput:
-    """One worker's output for a request, positioned in the request's output."""
-    token_offset: int  # index (in the output) of token_ids[0]
-    token_ids: list[int]
-    text_offset: int  # index (in the output text) of text[0]
-    text: str
-    logprobs_offset: int  # output index of logprobs[0]
-    logprobs: list[SampledToken] | None
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
 class StreamMerger:
     """Merges positioned worker outputs into deltas with each position exactly once."""
     num_tokens: int = 0
@@ -71,7 +56,7 @@ class StreamMerger:
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
-    def merge(self, out: WorkerOutput) -> StreamDelta | None:
+    def merge(self, out: Output) -> StreamDelta | None:
         """The new part of `out`, or None when it adds nothing (a replayed or stale output)."""
         assert not self.finished, "a finished stream takes no more outputs"
         if out.token_offset > self.num_tokens or out.text_offset > self.num_chars:

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.stream import StreamMerger, WorkerOutput
+from splitserve.cluster.protocol import Output
+from splitserve.cluster.stream import StreamMerger
 from splitserve.engine.batch import SampledToken
 
 
 def out(tok_off: int, toks: list[int], txt_off: int, text: str, finished: bool = False,
         lp_off: int | None = None, lps: list[float] | None = None) -> WorkerOutput:
     logprobs = None if lps is None else [SampledToken(0, x) for x in lps]
-    return WorkerOutput(tok_off, toks, txt_off, text, tok_off if lp_off is None else lp_off,
+    return Output("r", tok_off, toks, txt_off, text, tok_off if lp_off is None else lp_off,
                         logprobs, finished, "stop" if finished else None, None, 5, 0)
 
 
