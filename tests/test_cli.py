@@ -34,3 +34,29 @@ def test_bad_model_path_exits_with_a_clear_error(tmp_path) -> None:
     res = run_cli("chat", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert res.returncode == 2
     assert "error:" in res.stderr and "missing" in res.stderr
+
+
+def test_serve_config_reads_yaml_and_flags_override(tmp_path: object) -> None:
+    import argparse
+    from pathlib import Path
+
+    import pytest
+
+    from splitserve.cli import add_serve_args, serve_config
+
+    path = Path(str(tmp_path)) / "serve.yaml"
+    path.write_text("mode: agg\ndecode: 2\nmax-model-len: 1024\nworker_cores: [[0], [1]]\n"
+                    "deadlines:\n  kv_timeout_s: 5\n")
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    cfg = serve_config(parser.parse_args(["--config", str(path), "--decode", "3",
+                                          "--request-timeout-s", "9",
+                                          "--worker-cores", "0;1;1"]))
+    assert (cfg.mode, cfg.decode, cfg.max_model_len) == ("agg", 3, 1024)
+    assert cfg.worker_cores == [[0], [1], [1]]
+    assert (cfg.deadlines.kv_timeout_s, cfg.deadlines.request_timeout_s) == (5, 9)
+    path.write_text("nonsense_key: 1\n")
+    with pytest.raises(ValueError, match="nonsense_key"):
+        serve_config(parser.parse_args(["--config", str(path)]))
+    with pytest.raises(ValueError, match="mode"):
+        serve_config(argparse.Namespace(config=None, mode="weird"))
