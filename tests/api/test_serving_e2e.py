@@ -237,3 +237,21 @@ def test_process_titles_and_clean_shutdown(start_server: Any) -> None:
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
              "zombie" not in open(f"/proc/{p}/status").read().lower()]
     assert not alive, f"workers left behind: {alive}"
+
+
+def test_logprobs_cover_every_token_in_both_modes(disagg: Any, agg: Any) -> None:
+    """In disagg the first token's logprob comes from the prefill worker, the rest from
+    the decode worker; the merged list must still have one entry per token."""
+    got = {}
+    for mode, server in (("disagg", disagg), ("agg", agg)):
+        r = client(server).chat.completions.create(
+            model=model_name(server), messages=CHATS["short"], temperature=0,  # type: ignore[arg-type]
+            max_tokens=8, logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+        assert content is not None and r.usage is not None
+        assert len(content) == r.usage.completion_tokens, mode
+        assert all(len(t.top_logprobs) == 2 for t in content)
+        got[mode] = [(t.token, round(t.logprob, 3)) for t in content]
+    assert [t for t, _ in got["disagg"]] == [t for t, _ in got["agg"]]
+    for (_, a), (_, b) in zip(got["disagg"], got["agg"]):
+        assert abs(a - b) < 1e-2
