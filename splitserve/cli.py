@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from splitserve.bench.command import add_bench_args, bench_command
 from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, SchedulerConfig,
                                ServeConfig)
 from splitserve.engine.engine import LLMEngine
@@ -99,6 +100,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--request-timeout-s", type=float, help="per-request deadline")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (30)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -141,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     p_chat.add_argument("--seed", type=int, default=None)
     p_serve = sub.add_parser("serve", help="serve the OpenAI API with prefill/decode pools")
     add_serve_args(p_serve)
+    p_bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (SLO goodput)")
+    add_bench_args(p_bench)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             from splitserve.api.serve import run
             return run(serve_config(args))
+        if args.command == "bench":
+            return bench_command(args)
         return chat(args)
     except (SplitserveError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

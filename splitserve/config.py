@@ -118,6 +118,8 @@ class ServeConfig:
     kv_cache_memory_bytes: int = 1 << 30
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     log_level: str = "info"
+    # On SIGTERM/Ctrl-C: stop accepting, let in-flight requests finish for this long.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):

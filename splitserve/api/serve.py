@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import logging
 import logging.config
@@ -79,7 +80,7 @@ async def serve(config: ServeConfig) -> None:
         app = build_app(ClusterBackend(dispatcher, info))
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_config=log_config(config.log_level.upper()),
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
         logger.info("serving %s on http://%s:%d (%s, %d workers)", info.served_model_names[0],
                     config.host, config.port, config.mode, len(cluster.handles))
         loop = asyncio.get_running_loop()

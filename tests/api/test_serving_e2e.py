@@ -255,3 +255,30 @@ def test_logprobs_cover_every_token_in_both_modes(disagg: Any, agg: Any) -> None
     assert [t for t, _ in got["disagg"]] == [t for t, _ in got["agg"]]
     for (_, a), (_, b) in zip(got["disagg"], got["agg"]):
         assert abs(a - b) < 1e-2
+
+
+def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:
+    import signal
+    import threading
+
+    server = start_server("--mode", "agg", *FLAGS)
+    c = client(server)
+    name = model_name(server)
+    got: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        for chunk in c.completions.create(model=name, prompt="Tell me a story.", max_tokens=40,
+                                          temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True},
+                                          stream_options={"include_usage": True}):
+            started.set()
+            if chunk.usage is not None:
+                got.append(str(chunk.usage.completion_tokens))
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)  # mid-stream
+    t.join(120)
+    assert got == ["40"], "the in-flight request finished"
+    assert server.stop() == 0, server.log()
