@@ -64,7 +64,9 @@ class _Flight:
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
     done_workers: set[bytes] = field(default_factory=set)  # reported it finished
     prefill_worker: bytes | None = None
+    dispatched_at: float | None = None
     first_token_at: float | None = None
+    decode_output_seen: bool = False  # remote prefill: the decode worker's first output came
     last_token_at: float | None = None
 
 
@@ -195,7 +197,8 @@ class Dispatcher:
                 decision = await flight.admitted  # the reaper fails it at the queue deadline
             finally:
                 self.admission.remove(flight)
-        self.metrics.queue_time.labels("admission").observe(time.monotonic() - flight.arrival)
+        flight.dispatched_at = time.monotonic()
+        self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
         flight.stage = Stage.PREFILL
         flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
         self._dispatch(flight, decision)
@@ -260,6 +263,8 @@ class Dispatcher:
             if flight.first_token_at is None:
                 flight.first_token_at = now
                 m.ttft.observe(now - flight.arrival)
+                if flight.dispatched_at is not None:
+                    m.queue_time.labels("prefill").observe(now - flight.dispatched_at)
             elif flight.last_token_at is not None:
                 m.itl.observe(now - flight.last_token_at)
             flight.last_token_at = now
@@ -359,6 +364,12 @@ class Dispatcher:
             return
         if msg.finished:
             flight.done_workers.add(worker.identity)
+        if (flight.prefill_worker is not None and worker.identity != flight.prefill_worker
+                and not flight.decode_output_seen):
+            flight.decode_output_seen = True  # D committed the imported KV
+            if flight.first_token_at is not None:
+                self.metrics.queue_time.labels("kv").observe(time.monotonic()
+                                                             - flight.first_token_at)
         flight.queue.put_nowait(msg)
 
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:

@@ -36,9 +36,9 @@ class Metrics:
         self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival -> last token",
                              buckets=_LATENCY, registry=r)
         self.queue_time = Histogram("splitserve_queue_time_seconds",
-                                    "Time waiting per phase: admission (frontend queue), "
-                                    "prefill (dispatch -> first token), kv (decode worker "
-                                    "waiting for the imported KV)", ["phase"],
+                                    "Time per phase: admission (frontend queue), prefill "
+                                    "(dispatch -> first token), kv (remote prefill: first "
+                                    "token -> the decode worker committed the KV)", ["phase"],
                                     buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens admitted",
                                      registry=r)
