@@ -1,7 +1,7 @@
 """Serving overhead: TTFT and TPOT of one request through `splitserve serve` (disagg and
 agg) against the offline engine on the same prompt, measured in one run.
 
-    python bench/serving.py            # ~3 min on 2 cores; writes docs/benchmarks.md
+    python bench/serving.py            # ~4 min on 2 cores; writes docs/benchmarks.md
     python bench/serving.py --quick    # 2 repetitions, no doc
 
 One streaming completion at a time (the openai client, real HTTP, SSE), a 512-token prompt
@@ -20,6 +20,7 @@ import random
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -36,11 +37,14 @@ def prompt_ids(rep: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
 
 
-def offline(reps: int, threads: int, cores: list[int]) -> dict[str, list[float]]:
-    """The engine alone, in a child process pinned to `cores`."""
-    code = f"""
-import json, os, time, sys
-sys.path.insert(0, {_ROOT!r})
+class Timing(NamedTuple):
+    ttft_s: float
+    tpot_s: float
+
+
+_ENGINE_LOOP = """
+import json, os, sys, time
+sys.path.insert(0, {root!r})
 os.sched_setaffinity(0, {cores!r})
 from bench.serving import prompt_ids, OUTPUT_TOKENS
 from splitserve.config import EngineConfig
@@ -48,88 +52,122 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 engine = LLMEngine(EngineConfig.from_kwargs(num_threads={threads}, max_model_len=2048))
 params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-ttft, tpot = [], []
-for rep in range(-1, {reps}):
+print("ready", flush=True)
+for line in sys.stdin:
+    rep = int(line)
     t0 = time.perf_counter()
-    engine.add_request(f"r{{rep}}", prompt_ids(rep + 100), params)
+    engine.add_request(f"r{{rep}}", prompt_ids(rep), params)
     first = None
     while engine.has_unfinished:
         for out in engine.step():
             if first is None and out.token_ids:
                 first = time.perf_counter()
     end = time.perf_counter()
-    if rep >= 0:
-        ttft.append(first - t0)
-        tpot.append((end - first) / (OUTPUT_TOKENS - 1))
-print(json.dumps({{"ttft": ttft, "tpot": tpot}}))
+    print(json.dumps([first - t0, (end - first) / (OUTPUT_TOKENS - 1)]), flush=True)
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    if res.returncode != 0:
-        raise RuntimeError(res.stderr[-3000:])
-    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def served(reps: int, flags: list[str]) -> dict[str, list[float]]:
-    import openai
-    sys.path.insert(0, os.path.join(_ROOT, "tests"))
-    from conftest import ServerProcess  # the same launcher the e2e tests use
-    server = ServerProcess(*flags)
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                               timeout=300)
-        model = client.models.list().data[0].id
-        ttft, tpot = [], []
-        for rep in range(-1, reps):
-            t0 = time.perf_counter()
-            first, num = None, 0
-            for chunk in client.completions.create(
-                    model=model, prompt=prompt_ids(rep + 100), max_tokens=OUTPUT_TOKENS,
-                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                if first is None:
-                    first = time.perf_counter()
-                num += 1 if chunk.choices else 0
-            end = time.perf_counter()
-            if rep >= 0 and first is not None:
-                ttft.append(first - t0)
-                tpot.append((end - first) / (OUTPUT_TOKENS - 1))
-        return {"ttft": ttft, "tpot": tpot}
-    finally:
-        server.stop()
+class OfflineEngine:
+    """The engine alone in a child process pinned to `cores`; one request per `run`."""
+
+    def __init__(self, threads: int, cores: list[int]) -> None:
+        code = _ENGINE_LOOP.format(root=_ROOT, cores=cores, threads=threads)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def run(self, rep: int) -> Timing:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{rep}\n")
+        self.proc.stdin.flush()
+        ttft, tpot = json.loads(self.proc.stdout.readline())
+        return Timing(ttft, tpot)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Served:
+    """`splitserve serve` with `flags`; one streaming request per `run`."""
+
+    def __init__(self, flags: list[str]) -> None:
+        import openai
+        sys.path.insert(0, os.path.join(_ROOT, "tests"))
+        from conftest import ServerProcess  # the same launcher the e2e tests use
+        self.server = ServerProcess(*flags)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none",
+                                    max_retries=0, timeout=300)
+        self.model = self.client.models.list().data[0].id
+
+    def run(self, rep: int) -> Timing:
+        t0 = time.perf_counter()
+        first = None
+        for _ in self.client.completions.create(
+                model=self.model, prompt=prompt_ids(rep), max_tokens=OUTPUT_TOKENS,
+                temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        assert first is not None
+        return Timing(first - t0, (end - first) / (OUTPUT_TOKENS - 1))
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
     args = ap.parse_args()
     reps = 2 if args.quick else args.reps
-    monitor = CpuMonitor().start()
-    runs = {
-        "engine, 1 core": offline(reps, 1, [1]),
-        "disagg (1 prefill + 1 decode, 1 core each)": served(
-            reps, ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
-        "engine, 2 cores": offline(reps, 2, [0, 1]),
-        "agg (1 worker, 2 cores)": served(reps, ["--mode", "agg", "--max-model-len", "2048"]),
+    # Every setup is up at once (idle ones sleep) and the repetitions are interleaved
+    # A, B, C, D, A, B, ...: drift of this shared machine hits all setups alike, and each
+    # served figure is compared with the engine-alone figure of the same round.
+    setups: dict[str, OfflineEngine | Served] = {
+        "engine, 1 core": OfflineEngine(1, [1]),
+        "engine, 2 cores": OfflineEngine(2, [0, 1]),
+        "disagg (1 prefill + 1 decode, 1 core each)": Served(
+            ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
+        "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
     }
-    others = monitor.stop()
     base = {"disagg (1 prefill + 1 decode, 1 core each)": "engine, 1 core",
             "agg (1 worker, 2 cores)": "engine, 2 cores"}
+    runs: dict[str, list[Timing]] = {name: [] for name in setups}
+    monitor = CpuMonitor().start()
+    try:
+        for rep in range(-1, reps):  # -1: warm-up round, not recorded
+            for name, setup in setups.items():
+                timing = setup.run(rep + 100)
+                if rep >= 0:
+                    runs[name].append(timing)
+    finally:
+        for setup in setups.values():
+            setup.stop()
+    others = monitor.stop()
     rows = []
-    for name, run in runs.items():
-        ttft, tpot = median(run["ttft"]) * 1000, median(run["tpot"]) * 1000
+    for name, timings in runs.items():
+        ttft = median([t.ttft_s for t in timings]) * 1000
+        tpot = median([t.tpot_s for t in timings]) * 1000
         ref = base.get(name)
         if ref is None:
             rows.append([name, f"{ttft:.1f}", f"{tpot:.2f}", "-", "-"])
-        else:
-            r_ttft, r_tpot = median(runs[ref]["ttft"]) * 1000, median(runs[ref]["tpot"]) * 1000
-            rows.append([name, f"{ttft:.1f}", f"{tpot:.2f}", f"{ttft - r_ttft:+.1f} ms "
-                         f"({ttft / r_ttft:.2f}x)", f"{tpot - r_tpot:+.2f} ms ({tpot / r_tpot:.2f}x)"])
+            continue
+        pairs = list(zip(timings, runs[ref]))
+        d_ttft = median([(a.ttft_s - b.ttft_s) * 1000 for a, b in pairs])
+        d_tpot = median([(a.tpot_s - b.tpot_s) * 1000 for a, b in pairs])
+        r_ttft = median([a.ttft_s / b.ttft_s for a, b in pairs])
+        r_tpot = median([a.tpot_s / b.tpot_s for a, b in pairs])
+        rows.append([name, f"{ttft:.1f}", f"{tpot:.2f}", f"{d_ttft:+.1f} ms ({r_ttft:.2f}x)",
+                     f"{d_tpot:+.2f} ms ({r_tpot:.2f}x)"])
     body = [
         f"One streaming request at a time: {PROMPT_TOKENS}-token prompt (random ids, no "
         f"prefix hits), {OUTPUT_TOKENS} output tokens, greedy, bf16, medians of {reps} "
-        "repetitions after one warm-up. Served = `splitserve serve` + openai client over "
+        "interleaved rounds after one warm-up round; overheads are medians of the "
+        "per-round differences and ratios. Served = `splitserve serve` + openai client over "
         "HTTP/SSE; disagg uses `--disagg-policy always` (every request: prefill worker -> "
         "KV transfer over TCP -> decode worker). Overhead = served minus the engine alone "
         "on the same cores.", "",
