@@ -346,6 +346,12 @@ class Dispatcher:
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
         info = self.table.register(identity, msg)
         self.block_size = msg.block_size
+        cfg = self.router.config
+        if (cfg.kv_bytes_per_token, cfg.block_size) != (msg.kv_bytes_per_token, msg.block_size):
+            # The workers know the model's KV size (layers, heads, dtype); the router's
+            # transfer-time estimate uses it.
+            self.router.config = replace(cfg, kv_bytes_per_token=msg.kv_bytes_per_token,
+                                         block_size=msg.block_size)
         self.max_model_len = (msg.max_model_len if not self.max_model_len
                               else min(self.max_model_len, msg.max_model_len))
         self.router.add_worker(msg.worker_id, _ROLES[msg.role], WorkerLoad(
