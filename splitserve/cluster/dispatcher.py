@@ -7,7 +7,7 @@ drives them through the workers and merges their outputs into one stream per req
     P's first token --\\
     D's tokens --------+--> StreamMerger --> StreamDelta --> the HTTP layer
 
-One ZeroMQ ROUTER socket talks to every worker (cluster/protocol.py). A reaper task
+One ZeroMQ ROUTER socket talks to every worker (worker_link.py, protocol.py). A reaper task
 enforces the request deadline and the per-stage timeouts (queue, prefill, KV, decode
 step) and notices silent workers; nothing waits without a limit. The dispatcher runs in
 the frontend's asyncio loop; the router is plain logic called from that loop only.
@@ -19,17 +19,15 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from enum import IntEnum
-
-import zmq
-import zmq.asyncio
+from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.admission import AdmissionQueue
 from splitserve.cluster.metrics import Metrics
+from splitserve.cluster.flight import Flight, Stage
 from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
-from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger
+from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.worker_link import WorkerLink
 from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
@@ -40,34 +38,6 @@ logger = logging.getLogger(__name__)
 
 REAPER_PERIOD_S = 0.05
 _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
-
-
-class Stage(IntEnum):
-    QUEUED = 0  # waiting for admission
-    PREFILL = 1  # dispatched, no token yet
-    DECODE = 2  # streaming
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One request in the cluster: where it runs, its stream, its deadlines."""
-    request: GenerateRequest
-    arrival: float
-    deadline: float
-    stage_deadline: float
-    stage: Stage = Stage.QUEUED
-    queue: asyncio.Queue[P.Output | BaseException] = field(default_factory=asyncio.Queue)
-    merger: StreamMerger = field(default_factory=StreamMerger)
-    route_req: RouteRequest | None = None
-    admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
-    decision: RouteDecision | None = None
-    workers: set[bytes] = field(default_factory=set)  # identities holding state for it
-    done_workers: set[bytes] = field(default_factory=set)  # reported it finished
-    prefill_worker: bytes | None = None
-    dispatched_at: float | None = None
-    first_token_at: float | None = None
-    decode_output_seen: bool = False  # remote prefill: the decode worker's first output came
-    last_token_at: float | None = None
 
 
 class Dispatcher:
@@ -82,23 +52,20 @@ class Dispatcher:
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
-        self.flights: dict[str, _Flight] = {}
-        self.admission: AdmissionQueue[_Flight] = AdmissionQueue(max_queue_len)
+        self.flights: dict[str, Flight] = {}
+        self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
         self.max_model_len = 0
         self.block_size = 16
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self.link = WorkerLink()
+        self.address = self.link.address
         self._registered = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._roots: dict[str | None, bytes] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="dispatcher-receive"),
+        self._tasks = [asyncio.create_task(self.link.receive(self._on_message),
+                                           name="dispatcher-receive"),
                        asyncio.create_task(self._reaper_loop(), name="dispatcher-reaper")]
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
@@ -116,14 +83,13 @@ class Dispatcher:
 
     async def close(self) -> None:
         for identity in list(self.table.workers):
-            self._send(identity, P.Shutdown())
+            self.link.send(identity, P.Shutdown())
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for flight in self.flights.values():
             flight.queue.put_nowait(WorkerFailed("the server is shutting down"))
-        self.sock.close()
-        self.ctx.term()
+        self.link.close()
 
     # -- the request path -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -152,7 +118,7 @@ class Dispatcher:
         finally:
             self._retire(flight, outcome)
 
-    def _admit(self, request: GenerateRequest) -> _Flight:
+    def _admit(self, request: GenerateRequest) -> Flight:
         rid, n = request.request_id, len(request.prompt_token_ids)
         if rid in self.flights:
             raise InvalidRequestError(f"request id {rid!r} is already in flight",
@@ -172,13 +138,13 @@ class Dispatcher:
             request.params = replace(request.params, seed=random.getrandbits(63))
         now = time.monotonic()
         timeout = request.timeout_s or self.deadlines.request_timeout_s
-        flight = _Flight(request, now, now + timeout,
+        flight = Flight(request, now, now + timeout,
                          min(now + timeout, now + self.deadlines.queue_timeout_s))
         self.flights[rid] = flight
         self.metrics.prompt_tokens.inc(n)
         return flight
 
-    async def _place(self, flight: _Flight) -> None:
+    async def _place(self, flight: Flight) -> None:
         req = flight.request
         flight.route_req = RouteRequest(
             request_id=req.request_id, block_hashes=self._hashes(req),
@@ -203,7 +169,7 @@ class Dispatcher:
         flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
         self._dispatch(flight, decision)
 
-    def _claim(self, flight: _Flight) -> RouteDecision | None:
+    def _claim(self, flight: Flight) -> RouteDecision | None:
         """Routes the request and, when placed, books it on its workers at once, so the
         next decision (of a burst, or of the queue) sees that load."""
         assert flight.route_req is not None
@@ -218,7 +184,7 @@ class Dispatcher:
         for worker_id, hashes in self.router.take_evictions().items():
             worker = self.table.by_id.get(worker_id)
             if worker is not None and hashes:
-                self._send(worker.identity, P.EvictBlocks(hashes))
+                self.link.send(worker.identity, P.EvictBlocks(hashes))
         return decision
 
     def _admit_queued(self) -> None:
@@ -229,7 +195,7 @@ class Dispatcher:
             if flight.admitted is not None and not flight.admitted.done():
                 flight.admitted.set_result(decision)
 
-    def _dispatch(self, flight: _Flight, decision: RouteDecision) -> None:
+    def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
         req = flight.request
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
@@ -237,7 +203,7 @@ class Dispatcher:
             flight.prefill_worker = self.table.by_id[decision.prefill_worker].identity
         flight.workers.add(decode.identity)
         decode.request_ids.add(req.request_id)
-        self._send(decode.identity, P.Generate(
+        self.link.send(decode.identity, P.Generate(
             req.request_id, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
             kv_timeout_s=self.deadlines.kv_timeout_s,
             recompute_on_failure=self.recompute_on_kv_failure))
@@ -253,48 +219,31 @@ class Dispatcher:
         req = flight.request
         flight.workers.add(prefill.identity)
         prefill.request_ids.add(req.request_id)
-        self._send(prefill.identity, P.Prefill(req.request_id, req.prompt_token_ids,
+        self.link.send(prefill.identity, P.Prefill(req.request_id, req.prompt_token_ids,
                                                req.params, req.namespace, msg.plan))
 
-    def _on_delta(self, flight: _Flight, delta: StreamDelta) -> None:
-        now, m = time.monotonic(), self.metrics
+    def _on_delta(self, flight: Flight, delta: StreamDelta) -> None:
+        now = time.monotonic()
         if delta.token_ids:
-            m.generation_tokens.inc(len(delta.token_ids))
+            self.metrics.observe_tokens(flight, len(delta.token_ids), now)
             if flight.first_token_at is None:
                 flight.first_token_at = now
-                m.ttft.observe(now - flight.arrival)
-                if flight.dispatched_at is not None:
-                    m.queue_time.labels("prefill").observe(now - flight.dispatched_at)
-            elif flight.last_token_at is not None:
-                m.itl.observe(now - flight.last_token_at)
             flight.last_token_at = now
             flight.stage = Stage.DECODE
             flight.stage_deadline = now + self.deadlines.decode_step_timeout_s
 
-    def _retire(self, flight: _Flight, outcome: str) -> None:
+    def _retire(self, flight: Flight, outcome: str) -> None:
         rid = flight.request.request_id
         self.flights.pop(rid, None)
         self.router.on_finished(rid)
         for identity in flight.workers - flight.done_workers:
-            self._send(identity, P.Abort(rid))
+            self.link.send(identity, P.Abort(rid))
         for identity in flight.workers:
             info = self.table.get(identity)
             if info is not None:
                 info.request_ids.discard(rid)
-        m, now = self.metrics, time.monotonic()
-        m.requests.labels(outcome).inc()
-        num_out = flight.merger.num_tokens
-        if flight.first_token_at is not None and outcome in ("stop", "length"):
-            m.e2e.observe(now - flight.arrival)
-            ttft = flight.first_token_at - flight.arrival
-            tpot = (now - flight.first_token_at) / (num_out - 1) if num_out > 1 else 0.0
-            if num_out > 1:
-                m.tpot.observe(tpot)
-            met_ttft = self.slo_ttft_s is None or ttft <= self.slo_ttft_s
-            met_tpot = self.slo_tpot_s is None or tpot <= self.slo_tpot_s
-            for slo, met in (("ttft", met_ttft), ("tpot", met_tpot), ("all", met_ttft and met_tpot)):
-                if met:
-                    m.slo_attained.labels(slo).inc()
+        self.metrics.observe_finished(flight, outcome, time.monotonic(), self.slo_ttft_s,
+                                      self.slo_tpot_s)
         self._admit_queued()
 
     def _hashes(self, req: GenerateRequest) -> list[bytes]:
@@ -307,16 +256,6 @@ class Dispatcher:
                                 self.block_size)
 
     # -- messages from workers ------------------------------------------------------------------
-    async def _receive_loop(self) -> None:
-        while True:
-            identity, frame = await self.sock.recv_multipart()
-            try:
-                self._on_message(identity, P.decode(frame))
-            except ProtocolError as exc:
-                logger.warning("refused a message from %r: %s", identity, exc)
-            except Exception:  # one bad message must not stop the frontend
-                logger.exception("failed to handle a message from %r", identity)
-
     def _on_message(self, identity: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.WorkerReady):
             self._on_ready(identity, msg)
@@ -335,7 +274,7 @@ class Dispatcher:
             self._on_load(worker, msg)
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
-                self._send(identity, P.ResyncKV())
+                self.link.send(identity, P.ResyncKV())
         elif isinstance(msg, P.KVSnapshot):
             self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
         elif isinstance(msg, P.TransferReport):
@@ -344,7 +283,7 @@ class Dispatcher:
             raise ProtocolError(f"workers do not send {type(msg).__name__}")
 
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
-        info = self.table.register(identity, msg)
+        self.table.register(identity, msg)
         self.block_size = msg.block_size
         cfg = self.router.config
         if (cfg.kv_bytes_per_token, cfg.block_size) != (msg.kv_bytes_per_token, msg.block_size):
@@ -357,12 +296,11 @@ class Dispatcher:
         self.router.add_worker(msg.worker_id, _ROLES[msg.role], WorkerLoad(
             0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
-        self._count_workers()
+        self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
         self._admit_queued()
-        del info
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
         flight = self.flights.get(msg.request_id)
@@ -392,7 +330,7 @@ class Dispatcher:
         flight.queue.put_nowait(error)
 
     def _on_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
-        wid, m = worker.worker_id, self.metrics
+        wid = worker.worker_id
         load = WorkerLoad(msg.num_running, msg.num_waiting + msg.num_awaiting_kv,
                           msg.num_waiting_tokens, msg.kv_blocks_used, msg.kv_blocks_total,
                           worker.ready.max_num_seqs)
@@ -402,14 +340,8 @@ class Dispatcher:
                 self.router.observe_prefill(wid, int(num_prefill), seconds)
             elif num_decode and not num_prefill:
                 self.router.observe_decode_step(wid, int(num_decode), seconds)
-        m.observe_steps(wid, msg.steps)
-        m.kv_blocks_used.labels(wid).set(msg.kv_blocks_used)
-        m.kv_blocks_total.labels(wid).set(msg.kv_blocks_total)
-        m.running.labels(wid).set(msg.num_running)
-        m.waiting.labels(wid).set(msg.num_waiting)
-        _set_counter(m.prefix_hit_tokens.labels(wid, "device"), msg.num_prefix_hit_tokens)
-        _set_counter(m.prefix_query_tokens.labels(wid), msg.num_prompt_tokens)
-        m.index_blocks.set(self.router.num_indexed_blocks)
+        self.metrics.observe_load(wid, msg)
+        self.metrics.index_blocks.set(self.router.num_indexed_blocks)
         self._admit_queued()
 
     # -- deadlines and health -------------------------------------------------------------------
@@ -418,27 +350,17 @@ class Dispatcher:
             await asyncio.sleep(REAPER_PERIOD_S)
             now = time.monotonic()
             for flight in list(self.flights.values()):
-                if flight.stage is Stage.QUEUED:
-                    if now >= flight.stage_deadline and flight.admitted is not None \
-                            and not flight.admitted.done():
-                        self.metrics.failures.labels("timeout_queue").inc()
-                        flight.admitted.set_exception(RequestTimeout(
-                            f"no worker had room for {now - flight.arrival:.1f} s (queue "
-                            f"timeout {self.deadlines.queue_timeout_s:g} s or the request "
-                            "deadline)", stage="queue"))
+                error = flight.overdue(now, self.deadlines.queue_timeout_s)
+                if error is None:
                     continue
-                if now >= flight.deadline:
-                    self._expire(flight, "request", "the request deadline")
-                elif now >= flight.stage_deadline:
-                    self._expire(flight, flight.stage.name.lower(), "a stage timeout")
+                self.metrics.failures.labels(f"timeout_{error.stage}").inc()
+                if flight.stage is Stage.QUEUED:
+                    assert flight.admitted is not None
+                    flight.admitted.set_exception(error)
+                else:
+                    flight.queue.put_nowait(error)
             for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
                 self.mark_dead(worker.identity, "missed its heartbeat deadline")
-
-    def _expire(self, flight: _Flight, stage: str, what: str) -> None:
-        flight.stage_deadline = flight.deadline = float("inf")  # report once
-        self.metrics.failures.labels(f"timeout_{stage}").inc()
-        flight.queue.put_nowait(RequestTimeout(
-            f"request {flight.request.request_id} passed {what} in stage {stage}", stage=stage))
 
     def mark_dead(self, identity: bytes, why: str) -> None:
         """Takes a worker out of routing and fails the requests it held."""
@@ -454,27 +376,8 @@ class Dispatcher:
             if flight is not None:
                 flight.queue.put_nowait(WorkerFailed(f"worker {worker.worker_id} {why}"))
         self.table.remove(identity)
-        self._count_workers()
+        self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
 
-    def _count_workers(self) -> None:
-        self.metrics.workers.clear()
-        for w in self.table.workers.values():
-            self.metrics.workers.labels(w.role, "healthy" if w.healthy else "unhealthy").inc()
-
-
-    def _send(self, identity: bytes, msg: P.Message) -> None:
-        kind = type(msg).__name__
-
-        def check(fut: asyncio.Future[object]) -> None:
-            exc = None if fut.cancelled() else fut.exception()
-            if exc is not None:  # the worker is gone (ROUTER_MANDATORY) or stuck
-                logger.warning("could not send %s to %r: %s", kind, identity, exc)
-        try:
-            fut = self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("could not send %s to %r: %s", kind, identity, exc)
-            return
-        fut.add_done_callback(check)  # type: ignore[attr-defined]
 
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:
@@ -491,9 +394,3 @@ class Dispatcher:
     def metrics_text(self) -> bytes:
         return self.metrics.text()
 
-
-def _set_counter(counter: object, value: float) -> None:
-    """Counters from workers arrive as cumulative totals: advance to the reported value."""
-    current = counter._value.get()  # type: ignore[attr-defined]
-    if value > current:
-        counter.inc(value - current)  # type: ignore[attr-defined]

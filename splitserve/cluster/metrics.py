@@ -12,6 +12,9 @@ from typing import Any
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
+from splitserve.cluster.flight import Flight
+from splitserve.cluster.protocol import LoadReport
+
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
             2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -92,6 +95,48 @@ class Metrics:
                                   "Distinct block hashes in the router's prefix index",
                                   registry=r)
 
+    def observe_tokens(self, flight: Flight, num_tokens: int, now: float) -> None:
+        """New tokens streamed for `flight` (before its timestamps are advanced)."""
+        self.generation_tokens.inc(num_tokens)
+        if flight.first_token_at is None:
+            self.ttft.observe(now - flight.arrival)
+            if flight.dispatched_at is not None:
+                self.queue_time.labels("prefill").observe(now - flight.dispatched_at)
+        elif flight.last_token_at is not None:
+            self.itl.observe(now - flight.last_token_at)
+
+    def observe_finished(self, flight: Flight, outcome: str, now: float,
+                         slo_ttft_s: float | None, slo_tpot_s: float | None) -> None:
+        self.requests.labels(outcome).inc()
+        num_out = flight.merger.num_tokens
+        if flight.first_token_at is None or outcome not in ("stop", "length"):
+            return
+        self.e2e.observe(now - flight.arrival)
+        ttft = flight.first_token_at - flight.arrival
+        tpot = (now - flight.first_token_at) / (num_out - 1) if num_out > 1 else 0.0
+        if num_out > 1:
+            self.tpot.observe(tpot)
+        met_ttft = slo_ttft_s is None or ttft <= slo_ttft_s
+        met_tpot = slo_tpot_s is None or tpot <= slo_tpot_s
+        for slo, met in (("ttft", met_ttft), ("tpot", met_tpot), ("all", met_ttft and met_tpot)):
+            if met:
+                self.slo_attained.labels(slo).inc()
+
+    def observe_load(self, worker: str, msg: LoadReport) -> None:
+        self.observe_steps(worker, msg.steps)
+        self.kv_blocks_used.labels(worker).set(msg.kv_blocks_used)
+        self.kv_blocks_total.labels(worker).set(msg.kv_blocks_total)
+        self.running.labels(worker).set(msg.num_running)
+        self.waiting.labels(worker).set(msg.num_waiting)
+        _advance(self.prefix_hit_tokens.labels(worker, "device"), msg.num_prefix_hit_tokens)
+        _advance(self.prefix_query_tokens.labels(worker), msg.num_prompt_tokens)
+
+    def count_workers(self, workers: list[tuple[str, bool]]) -> None:
+        """(role, healthy) of every registered worker."""
+        self.workers.clear()
+        for role, healthy in workers:
+            self.workers.labels(role, "healthy" if healthy else "unhealthy").inc()
+
     def observe_steps(self, worker: str, steps: list[list[float]]) -> None:
         for num_prefill, num_decode, _ in steps:
             if num_prefill:
@@ -111,3 +156,10 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _advance(counter: Any, value: float) -> None:
+    """Counters from workers arrive as cumulative totals: advance to the reported value."""
+    current = counter._value.get()
+    if value > current:
+        counter.inc(value - current)

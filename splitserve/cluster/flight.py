@@ -1,0 +1,61 @@
+"""One request in the cluster, as the dispatcher tracks it: stage, deadlines, the
+workers holding state for it, its merged stream and its timestamps."""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.placement import RouteDecision, RouteRequest
+from splitserve.cluster.stream import GenerateRequest, StreamMerger
+from splitserve.errors import RequestTimeout
+
+
+class Stage(IntEnum):
+    QUEUED = 0  # waiting for admission
+    PREFILL = 1  # dispatched, no token yet
+    DECODE = 2  # streaming
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request in the cluster: where it runs, its stream, its deadlines."""
+    request: GenerateRequest
+    arrival: float
+    deadline: float
+    stage_deadline: float
+    stage: Stage = Stage.QUEUED
+    queue: asyncio.Queue[P.Output | BaseException] = field(default_factory=asyncio.Queue)
+    merger: StreamMerger = field(default_factory=StreamMerger)
+    route_req: RouteRequest | None = None
+    admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
+    decision: RouteDecision | None = None
+    workers: set[bytes] = field(default_factory=set)  # identities holding state for it
+    done_workers: set[bytes] = field(default_factory=set)  # reported it finished
+    prefill_worker: bytes | None = None
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    decode_output_seen: bool = False  # remote prefill: the decode worker's first output came
+    last_token_at: float | None = None
+
+    def overdue(self, now: float, queue_timeout_s: float) -> RequestTimeout | None:
+        """The timeout this request passed by `now`, reported once (then None): the queue
+        timeout or request deadline while queued, else the request deadline or the
+        current stage's timeout (prefill: first token; decode: gap between tokens)."""
+        if self.stage is Stage.QUEUED:
+            if now < self.stage_deadline or self.admitted is None or self.admitted.done():
+                return None
+            message = (f"no worker had room for {now - self.arrival:.1f} s (queue timeout "
+                       f"{queue_timeout_s:g} s or the request deadline)")
+            return RequestTimeout(message, stage="queue")
+        if now >= self.deadline:
+            stage, what = "request", "the request deadline"
+        elif now >= self.stage_deadline:
+            stage, what = self.stage.name.lower(), "a stage timeout"
+        else:
+            return None
+        self.stage_deadline = self.deadline = math.inf
+        return RequestTimeout(f"request {self.request.request_id} passed {what} in stage "
+                              f"{stage}", stage=stage)
