@@ -126,23 +126,32 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     *, namespace: str | None = None, hold_kv: bool = False,
-                    await_kv: bool = False) -> Request:
+                    await_kv: bool = False, resume_token_ids: list[int] | None = None
+                    ) -> Request:
         """Queues a request. `await_kv`: its prompt KV will be imported (WAITING_FOR_KV);
-        `hold_kv`: keep its blocks after it finishes until `release_kv` (for export)."""
+        `hold_kv`: keep its blocks after it finishes until `release_kv` (for export).
+        `resume_token_ids`: output an earlier attempt already produced; the request goes
+        on from there exactly as the uninterrupted one would (sampling is a function of
+        the seed and the output position, DESIGN 3), and its outputs include them."""
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       field="request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids)
+        resumed = list(resume_token_ids or [])
+        self._check_prompt(token_ids + resumed)
         room = min(self.max_model_len, self.num_blocks * self.block_size) - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
+        if len(resumed) >= max_tokens:
+            raise InvalidRequestError(f"{len(resumed)} resumed tokens leave nothing to "
+                                      f"generate within max_tokens={max_tokens}",
+                                      field="resume_token_ids")
         req = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
             cache_root=self._root(namespace), max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
             status=RequestStatus.WAITING_FOR_KV if await_kv else RequestStatus.WAITING,
-            hold_kv=hold_kv)
+            hold_kv=hold_kv, resumed_token_ids=resumed)
         req.update_block_hashes(self.block_size)
         self.scheduler.add(req)
         self.detokenizer.add(request_id, params.logprobs is not None)
@@ -215,7 +224,7 @@ class LLMEngine:
         sched, pool = self.scheduler, self.kv.pool
         return EngineLoad(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_waiting_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens
+            num_waiting_tokens=sum(r.num_prefill_tokens - r.num_computed_tokens
                                    for r in sched.waiting),
             num_awaiting_kv=len(sched.awaiting_kv), kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks, max_num_seqs=self.config.scheduler.max_num_seqs)
@@ -235,14 +244,14 @@ class LLMEngine:
 
     # -- KV connector: what workers use to move KV between engines ------------------------------
     def export_kv(self, request_id: str) -> KVRange:
-        """The prompt KV of a finished request held with hold_kv=True."""
+        """The prefill KV (prompt + resumed tokens) of a finished request held with
+        hold_kv=True."""
         req = self._held.get(request_id)
         if req is None:
             raise KVImportError(f"request {request_id!r} holds no exportable KV")
-        num_full = req.num_prompt_tokens // self.block_size
-        return KVRange(self.kv.block_table(request_id)[:_blocks(req.num_prompt_tokens,
-                                                                  self.block_size)],
-                       req.block_hashes[:num_full], 0, req.num_prompt_tokens)
+        n = req.num_prefill_tokens
+        return KVRange(self.kv.block_table(request_id)[:_blocks(n, self.block_size)],
+                       req.block_hashes[:n // self.block_size], 0, n)
 
     def held_request_ids(self) -> list[str]:
         return list(self._held)
@@ -266,7 +275,7 @@ class LLMEngine:
                 return None
         first = req.num_computed_tokens // self.block_size
         return KVRange(table[first:], req.block_hashes[first:], req.num_computed_tokens,
-                       req.num_prompt_tokens)
+                       req.num_prefill_tokens)
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """[2, len(block_ids), block_size, num_kv_heads, head_dim] copy of one layer's blocks."""

@@ -45,6 +45,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Keep the KV blocks after finishing, for export; released by the engine's release_kv.
     hold_kv: bool = False
+    # Output tokens an earlier attempt already produced (a retry or a migration resumes
+    # the sequence): they count as output for sampling, penalties, stops and max_tokens.
+    resumed_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache. Catches up with num_tokens; the last token of a
@@ -56,7 +59,8 @@ class Request:
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = list(self.resumed_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +69,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens known at admission (prompt + resumed output): what a prefill computes
+        or a KV import provides before the first new token is sampled."""
+        return len(self.prompt_token_ids) + len(self.resumed_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -107,8 +107,8 @@ class Scheduler:
         for req in self.awaiting_kv.values():
             if self.kv.block_table(req.request_id):
                 continue
-            hit = self.kv.computed_prefix(req.block_hashes, req.num_prompt_tokens)
-            if self.kv.allocate(req.request_id, req.num_prompt_tokens, hit) is None:
+            hit = self.kv.computed_prefix(req.block_hashes, req.num_prefill_tokens)
+            if self.kv.allocate(req.request_id, req.num_prefill_tokens, hit) is None:
                 return  # keep arrival order: later ones wait too
             req.num_computed_tokens = len(hit) * self.block_size
             req.num_cached_tokens = req.num_computed_tokens
@@ -171,7 +171,7 @@ class Scheduler:
     def commit_imported(self, req: Request, first_token_id: int) -> None:
         """The prompt's KV is in place: the request runs from its first output token on."""
         del self.awaiting_kv[req.request_id]
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_prefill_tokens
         self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
                              req.cache_root)
         req.status = RequestStatus.RUNNING

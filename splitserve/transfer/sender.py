@@ -113,13 +113,13 @@ class KVSender:
         if req.cache_root != root_hash(self.engine.fingerprint, namespace):
             raise ValueError(f"request {request_id!r} was added with another namespace than "
                              f"{namespace!r}; pass the namespace given to add_request")
-        if plan.end_token != req.num_prompt_tokens:
+        if plan.end_token != req.num_prefill_tokens:
             raise ValueError(f"plan covers tokens up to {plan.end_token} but the prompt has "
-                             f"{req.num_prompt_tokens}; the two engines got different prompts")
+                             f"{req.num_prefill_tokens}; the two engines got different prompts")
         bs = self.engine.block_size
         hashes = req.block_hashes[plan.start_token // bs:plan.end_token // bs]
         export = self._new_export(request_id, plan, namespace, hashes, compression)
-        if req.num_computed_tokens >= req.num_prompt_tokens:
+        if req.num_computed_tokens >= req.num_prefill_tokens:
             logger.warning("request %s was prefilled before its transfer started; its KV "
                            "will be sent after the fact", request_id)
         return export.handle
@@ -251,7 +251,9 @@ class KVSender:
         return export
 
     def _on_prefill_output(self, export: _Export, out: RequestOutput, now: float) -> None:
-        if not out.token_ids:  # aborted or failed before sampling
+        # Output tokens before the first one sampled here (a resumed request has some).
+        num_resumed = export.header.end_token - len(out.prompt_token_ids)
+        if len(out.token_ids) <= num_resumed:  # aborted or failed before sampling
             export.prefill_done = True
             export.fail(TransferCancelled(f"request {out.request_id!r} finished "
                                           f"({out.finish_reason}) before its first token"))
@@ -267,7 +269,7 @@ class KVSender:
                 return
             first = export.header.start_token // self.engine.block_size
             self._copy_all_layers(export, kv.block_ids[first:])
-        export.jobs.put(_TrailerJob(out.token_ids[0]))
+        export.jobs.put(_TrailerJob(out.token_ids[num_resumed]))
 
     def _copy_all_layers(self, export: _Export, block_ids: list[int]) -> None:
         for layer in range(export.layers_copied, export.header.num_layers):

@@ -170,3 +170,26 @@ def test_telemetry_record(make_pair: Callable[..., Pair]) -> None:
     assert record["side"] == "sender" and record["state"] == "done"
     assert {"pack_s", "queue_s", "wire_s", "validate_s", "place_s", "overlap_s",
             "exposed_s", "wire_bytes"} <= record.keys()
+
+
+RESUME_PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True,
+                               repetition_penalty=1.3, frequency_penalty=0.4)
+
+
+def test_resume_through_a_kv_handoff(make_pair) -> None:
+    """The prefill worker computes prompt + resumed tokens and samples the next one; the
+    decode worker imports that KV and goes on: the uninterrupted output."""
+    pair = make_pair("inproc")
+    prompt = list(range(2000, 2037))
+    pair.a.engine.add_request("ref", prompt, RESUME_PARAMS)
+    full = run_to_end(pair.a, "ref").token_ids
+    resumed = full[:6]
+    pair.b.engine.add_request("r", prompt, RESUME_PARAMS, await_kv=True, resume_token_ids=resumed)
+    plan = pair.receiver.expect("r", timeout_s=30, recompute_on_failure=False)
+    assert plan is not None and plan.end_token == len(prompt) + len(resumed)
+    one_more = dataclasses.replace(RESUME_PARAMS, max_tokens=len(resumed) + 1)
+    pair.a.engine.add_request("r", prompt, one_more, hold_kv=True, resume_token_ids=resumed)
+    send = pair.sender.start("r", plan)
+    recv = pair.receiver_handle(plan)
+    pair.pump(send, recv)
+    assert pair.decode(recv) == full
