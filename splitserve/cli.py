@@ -99,7 +99,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--kv-failure-policy", choices=["recompute", "retry", "fail"],
+                   help="a failed KV transfer: the decode worker recomputes (default), the "
+                   "frontend retries with a new transfer, or the request fails")
+    p.add_argument("--max-retries", type=int,
+                   help="attempts after the first when a worker or transfer fails (2)")
+    p.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=None,
+                   help="start a worker process again when it exits (default: yes)")
+    p.add_argument("--enable-fault-injection", action="store_const", const=True,
+                   help="accept POST /admin/faults (tests, chaos, soak); off by default")
     p.add_argument("--request-timeout-s", type=float, help="per-request deadline")
+    p.add_argument("--queue-timeout-s", type=float, help="longest wait for admission (30)")
+    p.add_argument("--prefill-timeout-s", type=float,
+                   help="dispatch -> first token, else the attempt is retried (120)")
+    p.add_argument("--kv-timeout-s", type=float, help="decode worker's wait for KV (60)")
+    p.add_argument("--decode-step-timeout-s", type=float,
+                   help="longest gap between two tokens, else the attempt is retried (60)")
+    p.add_argument("--heartbeat-timeout-s", type=float,
+                   help="a worker silent this long is removed, its requests resumed (30)")
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (30)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -103,7 +103,12 @@ class ServeConfig:
     threads_per_worker: int | None = None  # None: one per pinned core
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
-    recompute_on_kv_failure: bool = True
+    # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"
+    # (a new attempt with a new transfer) or "fail" (the client gets an error).
+    kv_failure_policy: str = "recompute"
+    max_retries: int = 2  # attempts after the first, per request (DESIGN 7)
+    restart_workers: bool = True  # a worker process that exits is started again (new epoch)
+    enable_fault_injection: bool = False  # POST /admin/faults (tests, chaos, soak)
     max_queue_len: int = 256  # admission queue; beyond it 429
     tenant_max_cached_blocks: int | None = None
     slo_ttft_ms: float | None = None
@@ -124,6 +129,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
             raise ValueError(f"mode={self.mode!r} must be 'disagg' or 'agg'")
+        if self.kv_failure_policy not in ("recompute", "retry", "fail"):
+            raise ValueError(f"kv_failure_policy={self.kv_failure_policy!r} must be "
+                             "recompute|retry|fail")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries} must be >= 0")
         if self.disagg_policy not in ("auto", "always", "never"):
             raise ValueError(f"disagg_policy={self.disagg_policy!r} must be auto|always|never")
         if self.decode < 1 or (self.mode == "disagg" and self.prefill < 0):

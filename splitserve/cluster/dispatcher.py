@@ -11,6 +11,13 @@ One ZeroMQ ROUTER socket talks to every worker (worker_link.py, protocol.py). A 
 enforces the request deadline and the per-stage timeouts (queue, prefill, KV, decode
 step) and notices silent workers; nothing waits without a limit. The dispatcher runs in
 the frontend's asyncio loop; the router is plain logic called from that loop only.
+
+Failures (DESIGN 7): a worker that dies or goes silent, a prefill that errors, a KV
+transfer that fails (under `--kv-failure-policy retry`) or a stalled stage fails the
+request's current *attempt*; `_recover` starts a new attempt on other workers, resuming
+from the tokens already merged (the engine replays prompt + those tokens and samples on
+exactly as before), until the retry budget or the request deadline runs out. Outputs are
+merged as they arrive, so the resumed stream has each position exactly once.
 """
 from __future__ import annotations
 
@@ -24,14 +31,17 @@ from dataclasses import replace
 from splitserve.cluster import protocol as P
 from splitserve.cluster.admission import AdmissionQueue
 from splitserve.cluster.metrics import Metrics
+from splitserve.cluster.faults import FaultSpec
 from splitserve.cluster.flight import Flight, Stage
+from splitserve.cluster.placement import RouteReason
+from splitserve.cluster.recovery import KV_FAILURE_POLICIES, is_transfer_failure
 from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
 from splitserve.cluster.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.worker_link import WorkerLink
 from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
-                               RequestTimeout, WorkerFailed)
+                               RequestTimeout, SplitserveError, WorkerFailed)
 from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
@@ -42,17 +52,25 @@ _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 
 class Dispatcher:
     def __init__(self, router: Router, deadlines: DeadlineConfig, *,
-                 max_queue_len: int = 256, recompute_on_kv_failure: bool = True,
+                 max_queue_len: int = 256, kv_failure_policy: str = "recompute",
+                 max_retries: int = 2, fault_injection: bool = False,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                  metrics: Metrics | None = None) -> None:
+        if kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy={kv_failure_policy!r} is not one of "
+                             f"{', '.join(KV_FAILURE_POLICIES)}")
         self.router = router
         self.deadlines = deadlines
         self.max_queue_len = max_queue_len
-        self.recompute_on_kv_failure = recompute_on_kv_failure
+        self.kv_failure_policy, self.max_retries = kv_failure_policy, max_retries
+        self.fault_injection = fault_injection
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # by request id
+        self.attempts: dict[str, Flight] = {}  # by the current attempt's id (what workers use)
+        self._fenced: set[bytes] = set()  # removed incarnations already told to exit
+        self._pool_reports: dict[bytes, asyncio.Future[P.PoolReport]] = {}
         self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
         self.max_model_len = 0
         self.block_size = 16
@@ -101,13 +119,9 @@ class Dispatcher:
                 item = await flight.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                delta = flight.merger.merge(item)
-                if delta is None:
-                    continue
-                self._on_delta(flight, delta)
-                yield delta
-                if delta.finished:
-                    outcome = delta.finish_reason or "stop"
+                yield item
+                if item.finished:
+                    outcome = item.finish_reason or "stop"
                     return
         except RequestTimeout:
             outcome = "timeout"
@@ -140,7 +154,7 @@ class Dispatcher:
         timeout = request.timeout_s or self.deadlines.request_timeout_s
         flight = Flight(request, now, now + timeout,
                          min(now + timeout, now + self.deadlines.queue_timeout_s))
-        self.flights[rid] = flight
+        self.flights[rid] = self.attempts[rid] = flight
         self.metrics.prompt_tokens.inc(n)
         return flight
 
@@ -196,31 +210,96 @@ class Dispatcher:
                 flight.admitted.set_result(decision)
 
     def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
-        req = flight.request
+        req, aid = flight.request, flight.attempt_id
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
         if decision.prefill_worker is not None:
             flight.prefill_worker = self.table.by_id[decision.prefill_worker].identity
         flight.workers.add(decode.identity)
-        decode.request_ids.add(req.request_id)
+        decode.request_ids.add(aid)
         self.link.send(decode.identity, P.Generate(
-            req.request_id, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
+            aid, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
             kv_timeout_s=self.deadlines.kv_timeout_s,
-            recompute_on_failure=self.recompute_on_kv_failure))
+            recompute_on_failure=self.kv_failure_policy == "recompute",
+            resume_token_ids=flight.resumed))
 
-    def _on_kv_plan(self, msg: P.KVPlanReady) -> None:
-        flight = self.flights.get(msg.request_id)
-        if flight is None or flight.prefill_worker is None:
+    def _on_kv_plan(self, worker: WorkerInfo, msg: P.KVPlanReady) -> None:
+        flight = self.attempts.get(msg.request_id)
+        if flight is None or flight.prefill_worker is None or flight.is_over \
+                or worker.identity not in flight.workers:
             return
         prefill = self.table.get(flight.prefill_worker)
         if prefill is None or not prefill.healthy:
-            flight.queue.put_nowait(WorkerFailed("the prefill worker left before the KV plan"))
+            self._recover(flight, WorkerFailed("the prefill worker left before the KV plan"),
+                          "worker_dead")
             return
         req = flight.request
         flight.workers.add(prefill.identity)
-        prefill.request_ids.add(req.request_id)
-        self.link.send(prefill.identity, P.Prefill(req.request_id, req.prompt_token_ids,
-                                               req.params, req.namespace, msg.plan))
+        prefill.request_ids.add(msg.request_id)
+        self.link.send(prefill.identity, P.Prefill(msg.request_id, req.prompt_token_ids,
+                                               req.params, req.namespace, msg.plan,
+                                               flight.resumed))
+
+    # -- failures: retry, resume or fail ----------------------------------------------------------
+    def _recover(self, flight: Flight, error: SplitserveError, reason: str, *,
+                 retryable: bool = True) -> None:
+        """The current attempt failed: start another on other workers, resuming from the
+        tokens merged so far, while the retry budget and the request deadline allow;
+        otherwise the client gets `error`."""
+        if flight.is_over:
+            return
+        if (retryable and flight.attempt < self.max_retries and flight.stage is not Stage.QUEUED
+                and time.monotonic() < flight.deadline and self._retry(flight, reason)):
+            return
+        flight.failed = True
+        flight.queue.put_nowait(error)
+
+    def _retry(self, flight: Flight, reason: str) -> bool:
+        old = flight.attempt_id
+        self._release(flight)
+        self.attempts.pop(old, None)
+        aid = flight.next_attempt()
+        self.attempts[aid] = flight
+        assert flight.route_req is not None
+        flight.route_req = replace(flight.route_req, request_id=aid)
+        decision = self._claim(flight) or self._any_decode_worker(flight)
+        if decision is None:
+            return False
+        logger.warning("request %s: attempt %s failed (%s); retrying as %s on %s%s, resuming "
+                       "after %d tokens", flight.request.request_id, old, reason, aid,
+                       decision.decode_worker, f" via {decision.prefill_worker}"
+                       if decision.prefill_worker else "", len(flight.resumed))
+        self.metrics.retries.labels(reason).inc()
+        if flight.resumed:
+            self.metrics.migrations.inc()
+        flight.stage = Stage.PREFILL  # until the resumed attempt streams a new token
+        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
+        self._dispatch(flight, decision)
+        return True
+
+    def _any_decode_worker(self, flight: Flight) -> RouteDecision | None:
+        """A retry does not queue behind new arrivals: when the router finds no placement
+        within budget, the least busy decode-capable worker prefills and decodes."""
+        workers = self.table.healthy(("decode", "both"))
+        if not workers:
+            return None
+        worker = min(workers, key=lambda w: len(w.request_ids))
+        decision = RouteDecision(worker.worker_id, None, RouteReason.FORCED_LOCAL, 0.0, 0)
+        assert flight.route_req is not None
+        self.router.on_dispatched(decision, flight.route_req)
+        flight.decision = decision
+        return decision
+
+    def _release(self, flight: Flight) -> None:
+        """Drops the current attempt everywhere: aborts it on workers still running it."""
+        aid = flight.attempt_id
+        self.router.on_finished(aid)
+        for identity in flight.workers - flight.done_workers:
+            self.link.send(identity, P.Abort(aid))
+        for identity in flight.workers:
+            info = self.table.get(identity)
+            if info is not None:
+                info.request_ids.discard(aid)
 
     def _on_delta(self, flight: Flight, delta: StreamDelta) -> None:
         now = time.monotonic()
@@ -233,15 +312,9 @@ class Dispatcher:
             flight.stage_deadline = now + self.deadlines.decode_step_timeout_s
 
     def _retire(self, flight: Flight, outcome: str) -> None:
-        rid = flight.request.request_id
-        self.flights.pop(rid, None)
-        self.router.on_finished(rid)
-        for identity in flight.workers - flight.done_workers:
-            self.link.send(identity, P.Abort(rid))
-        for identity in flight.workers:
-            info = self.table.get(identity)
-            if info is not None:
-                info.request_ids.discard(rid)
+        self.flights.pop(flight.request.request_id, None)
+        self.attempts.pop(flight.attempt_id, None)
+        self._release(flight)
         self.metrics.observe_finished(flight, outcome, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
         self._admit_queued()
@@ -262,12 +335,13 @@ class Dispatcher:
             return
         worker = self.table.get(identity)
         if worker is None:
-            raise ProtocolError("message from an unregistered or replaced worker")
+            self._fence(identity)
+            return
         worker.last_seen = time.monotonic()
         if isinstance(msg, P.Output):
             self._on_output(worker, msg)
         elif isinstance(msg, P.KVPlanReady):
-            self._on_kv_plan(msg)
+            self._on_kv_plan(worker, msg)
         elif isinstance(msg, P.RequestFailed):
             self._on_failed(worker, msg)
         elif isinstance(msg, P.LoadReport):
@@ -279,10 +353,34 @@ class Dispatcher:
             self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
         elif isinstance(msg, P.TransferReport):
             self.metrics.observe_transfer(msg.telemetry, msg.error)
+            if (msg.error is not None and msg.telemetry.get("side") == "receiver"
+                    and self.kv_failure_policy == "recompute"):
+                self.metrics.reprefills.inc()
+        elif isinstance(msg, P.PoolReport):
+            future = self._pool_reports.get(identity)
+            if future is not None and not future.done():
+                future.set_result(msg)
         else:
             raise ProtocolError(f"workers do not send {type(msg).__name__}")
 
+    def _fence(self, identity: bytes) -> None:
+        """A message from an incarnation that was removed (it went silent, then woke up) or
+        replaced: refused; the first time, the worker is told to exit, so its supervisor
+        starts a fresh incarnation instead of a split brain."""
+        self.metrics.fenced_messages.inc()
+        if identity not in self._fenced:
+            self._fenced.add(identity)
+            logger.warning("refusing messages from %r, a removed or replaced worker "
+                           "incarnation; telling it to exit", identity)
+            self.link.send(identity, P.Shutdown())
+
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
+        old = self.table.by_id.get(msg.worker_id)
+        orphans: list[str] = []
+        if old is not None and old.identity != identity:
+            # A restarted worker: its previous incarnation is gone, with its cache; its
+            # requests resume once the new one is registered (they may go to it).
+            orphans = self._remove(old.identity, "was replaced by a new incarnation")
         self.table.register(identity, msg)
         self.block_size = msg.block_size
         cfg = self.router.config
@@ -300,12 +398,13 @@ class Dispatcher:
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
+        self._recover_all(orphans, f"worker {msg.worker_id} was replaced by a new incarnation")
         self._admit_queued()
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
-        flight = self.flights.get(msg.request_id)
-        if flight is None:
-            return
+        flight = self.attempts.get(msg.request_id)
+        if flight is None or flight.is_over or worker.identity not in flight.workers:
+            return  # a late output of an attempt that was retried, aborted or finished
         if msg.finished:
             flight.done_workers.add(worker.identity)
         if (flight.prefill_worker is not None and worker.identity != flight.prefill_worker
@@ -314,20 +413,55 @@ class Dispatcher:
             if flight.first_token_at is not None:
                 self.metrics.queue_time.labels("kv").observe(time.monotonic()
                                                              - flight.first_token_at)
-        flight.queue.put_nowait(msg)
+        if not flight.cache_checked:
+            self._check_routed_hit(flight, worker, msg.num_cached_tokens)
+        try:
+            delta = flight.merger.merge(msg)
+        except ValueError as exc:  # a worker broke the positions contract: never guess
+            self._recover(flight, WorkerFailed(f"{worker.worker_id}: {exc}"), "bad_output",
+                          retryable=False)
+            return
+        if delta is not None:
+            self._on_delta(flight, delta)
+            flight.queue.put_nowait(delta)
+
+    def _check_routed_hit(self, flight: Flight, worker: WorkerInfo, num_cached: int) -> None:
+        """The router expected the worker that prefills to have part of the prompt cached;
+        if it had less, the index is stale for that worker (DESIGN 7): drop the entries it
+        relied on and ask the worker for a snapshot to reconcile."""
+        decision = flight.decision
+        prefiller = flight.prefill_worker or (
+            None if decision is None else self.table.by_id.get(decision.decode_worker, worker)
+            .identity)
+        if decision is None or worker.identity != prefiller:
+            return
+        flight.cache_checked = True
+        bs, n = self.block_size, len(flight.request.prompt_token_ids)
+        expected = min(decision.num_cached_tokens, (n - 1) // bs * bs)
+        if num_cached >= expected:
+            return
+        assert flight.route_req is not None
+        self.metrics.stale_routes.inc()
+        self.router.invalidate(worker.worker_id,
+                               flight.route_req.block_hashes[num_cached // bs:expected // bs])
+        self.link.send(worker.identity, P.ResyncKV())
 
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
         self.metrics.failures.labels(msg.kind).inc()
-        flight = self.flights.get(msg.request_id)
-        if flight is None:
+        flight = self.attempts.get(msg.request_id)
+        if flight is None or worker.identity not in flight.workers:
             return
         flight.done_workers.add(worker.identity)
-        error: Exception
         if msg.kind == "InvalidRequestError":
-            error = InvalidRequestError(msg.message, field=msg.field)
-        else:
-            error = WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}")
-        flight.queue.put_nowait(error)
+            self._recover(flight, InvalidRequestError(msg.message, field=msg.field), "invalid",
+                          retryable=False)
+            return
+        transfer = is_transfer_failure(msg.kind)
+        policy = f" (--kv-failure-policy {self.kv_failure_policy})" if transfer else ""
+        self._recover(flight, WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}"
+                                           f"{policy}"),
+                      "kv_transfer" if transfer else "worker_error",
+                      retryable=not transfer or self.kv_failure_policy == "retry")
 
     def _on_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
         wid = worker.worker_id
@@ -357,27 +491,72 @@ class Dispatcher:
                 if flight.stage is Stage.QUEUED:
                     assert flight.admitted is not None
                     flight.admitted.set_exception(error)
-                else:
-                    flight.queue.put_nowait(error)
+                else:  # a stalled stage is retried elsewhere; the request deadline is final
+                    self._recover(flight, error, f"timeout_{error.stage}",
+                                  retryable=error.stage != "request")
             for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
                 self.mark_dead(worker.identity, "missed its heartbeat deadline")
 
     def mark_dead(self, identity: bytes, why: str) -> None:
-        """Takes a worker out of routing and fails the requests it held."""
+        """Takes a worker out of routing and recovers the requests it held: each is
+        retried elsewhere (resuming its stream) or fails with WorkerFailed."""
         worker = self.table.get(identity)
-        if worker is None or not worker.healthy:
-            return
+        if worker is not None and worker.healthy:
+            self._recover_all(self._remove(identity, why), f"worker {worker.worker_id} {why}")
+
+    def _remove(self, identity: bytes, why: str) -> list[str]:
+        """Forgets a worker; the attempt ids it was running and had not finished."""
+        worker = self.table.remove(identity)
+        if worker is None:
+            return []
         logger.error("worker %s %s; removing it", worker.worker_id, why)
         worker.healthy = False
         self.router.remove_worker(worker.worker_id)
         self.metrics.failures.labels("worker_dead").inc()
-        for rid in list(worker.request_ids):
-            flight = self.flights.get(rid)
-            if flight is not None:
-                flight.queue.put_nowait(WorkerFailed(f"worker {worker.worker_id} {why}"))
-        self.table.remove(identity)
         self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
+        return [aid for aid in worker.request_ids if aid in self.attempts
+                and identity not in self.attempts[aid].done_workers]
 
+    def _recover_all(self, attempt_ids: list[str], why: str) -> None:
+        for aid in attempt_ids:
+            flight = self.attempts.get(aid)
+            if flight is not None:
+                self._recover(flight, WorkerFailed(why), "worker_dead")
+
+    # -- admin: fault injection and pool checks -------------------------------------------------
+    def inject_fault(self, worker_id: str, spec: dict[str, object]) -> FaultSpec:
+        """Arms a fault on a worker (cluster/faults.py); refused unless enabled."""
+        if not self.fault_injection:
+            raise PermissionError("fault injection is disabled; start the server with "
+                                  "--enable-fault-injection")
+        fault = FaultSpec.from_dict(dict(spec))
+        worker = self.table.by_id.get(worker_id)
+        if worker is None:
+            raise KeyError(f"no worker {worker_id!r}; workers: {sorted(self.table.by_id)}")
+        self.link.send(worker.identity, P.InjectFault(fault.to_dict()))
+        self.metrics.faults_injected.labels(fault.kind).inc()
+        return fault
+
+    async def check_pools(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
+        """Every live worker checks its KV pool's invariants; what each answered."""
+        loop = asyncio.get_running_loop()
+        asked = {w.identity: w.worker_id for w in self.table.workers.values() if w.healthy}
+        futures = {identity: loop.create_future() for identity in asked}
+        self._pool_reports.update(futures)
+        for identity in asked:
+            self.link.send(identity, P.CheckPool())
+        await asyncio.wait(list(futures.values()), timeout=timeout_s)
+        out: dict[str, dict[str, object]] = {}
+        for identity, future in futures.items():
+            self._pool_reports.pop(identity, None)
+            if future.done():
+                r = future.result()
+                out[asked[identity]] = {"ok": r.ok, "error": r.error,
+                                        "used_blocks": r.num_used_blocks,
+                                        "requests": r.num_requests}
+            else:
+                out[asked[identity]] = {"ok": False, "error": f"no answer within {timeout_s} s"}
+        return out
 
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:

@@ -9,7 +9,7 @@ from enum import IntEnum
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.placement import RouteDecision, RouteRequest
-from splitserve.cluster.stream import GenerateRequest, StreamMerger
+from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger
 from splitserve.errors import RequestTimeout
 
 
@@ -21,14 +21,23 @@ class Stage(IntEnum):
 
 @dataclass(slots=True)
 class Flight:
-    """One request in the cluster: where it runs, its stream, its deadlines."""
+    """One request in the cluster: where it runs, its stream, its deadlines.
+
+    A request runs as one attempt at a time. A retry (after a worker died, a transfer
+    failed or a stage stalled) starts a new attempt under a new id (`attempt_id`), which
+    resumes from the tokens merged so far; late messages of an old attempt name an id
+    nobody answers to, so they are dropped (a fencing token per request)."""
     request: GenerateRequest
     arrival: float
     deadline: float
     stage_deadline: float
     stage: Stage = Stage.QUEUED
-    queue: asyncio.Queue[P.Output | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StreamDelta | BaseException] = field(default_factory=asyncio.Queue)
     merger: StreamMerger = field(default_factory=StreamMerger)
+    attempt: int = 0
+    resumed: list[int] = field(default_factory=list)  # tokens the current attempt resumes
+    failed: bool = False  # an error was queued for the client
+    cache_checked: bool = False  # the routed prefix hit was compared with the real one
     route_req: RouteRequest | None = None
     admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
     decision: RouteDecision | None = None
@@ -39,6 +48,27 @@ class Flight:
     first_token_at: float | None = None
     decode_output_seen: bool = False  # remote prefill: the decode worker's first output came
     last_token_at: float | None = None
+
+    @property
+    def attempt_id(self) -> str:
+        """The id the workers know the current attempt by."""
+        rid = self.request.request_id
+        return rid if self.attempt == 0 else f"{rid}#{self.attempt}"
+
+    @property
+    def is_over(self) -> bool:
+        return self.failed or self.merger.finished
+
+    def next_attempt(self) -> str:
+        """Forgets the current attempt's workers; returns the new attempt's id."""
+        self.attempt += 1
+        self.resumed = list(self.merger.token_ids)
+        self.workers.clear()
+        self.done_workers.clear()
+        self.prefill_worker = self.decision = None
+        self.decode_output_seen = False
+        self.cache_checked = True  # resumed attempts' hits are not the router's prediction
+        return self.attempt_id
 
     def overdue(self, now: float, queue_timeout_s: float) -> RequestTimeout | None:
         """The timeout this request passed by `now`, reported once (then None): the queue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import replace
 
 from splitserve.cluster.dispatcher import Dispatcher
 from splitserve.cluster.router import Router, RouterConfig
@@ -41,7 +42,8 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
             specs.append(WorkerSpec(role=role, index=index, epoch=1,
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=pool_cores[index] or None,
-                                    kv_transport=config.kv_transport))
+                                    kv_transport=config.kv_transport,
+                                    fault_injection=config.enable_fault_injection))
     return specs
 
 
@@ -62,7 +64,8 @@ class Cluster:
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
-            recompute_on_kv_failure=cfg.recompute_on_kv_failure,
+            kv_failure_policy=cfg.kv_failure_policy, max_retries=cfg.max_retries,
+            fault_injection=cfg.enable_fault_injection,
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None)
         dispatcher.start()
@@ -90,13 +93,25 @@ class Cluster:
         waiting.result()
 
     async def _watch_loop(self) -> None:
-        """A worker process that exits is dead at once (no need to wait for heartbeats)."""
-        assert self.dispatcher is not None
+        """A worker process that exits is dead at once (no need to wait for heartbeats);
+        with `restart_workers`, a new incarnation (epoch + 1) takes its place, as a
+        supervisor (systemd, Kubernetes) would restart it. A worker that exits before it
+        ever registered is not restarted: it would fail the same way again."""
+        dispatcher = self.dispatcher
+        assert dispatcher is not None
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
-            for handle in self.handles:
-                if not self.runtime.is_alive(handle):
-                    self.dispatcher.mark_dead(handle.spec.identity, "exited")
+            for i, handle in enumerate(self.handles):
+                if self.runtime.is_alive(handle):
+                    continue
+                spec = handle.spec
+                dispatcher.mark_dead(spec.identity, "exited")
+                if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
+                    continue
+                self.runtime.stop_worker(handle)  # reaps the exited process
+                self.handles[i] = self.runtime.start_worker(replace(spec, epoch=spec.epoch + 1))
+                dispatcher.metrics.worker_restarts.labels(spec.worker_id).inc()
+                logger.warning("restarted %s as epoch %d", spec.worker_id, spec.epoch + 1)
 
     async def stop(self) -> None:
         if self._watch is not None:

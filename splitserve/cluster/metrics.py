@@ -88,6 +88,25 @@ class Metrics:
                                 registry=r)
         self.workers = Gauge("splitserve_workers", "Workers by role and health",
                              ["role", "state"], registry=r)
+        # Recovery (DESIGN 7): what failed and what the cluster did about it.
+        self.retries = Counter("splitserve_retries", "Request attempts retried on other "
+                               "workers, by the failure that caused them", ["reason"],
+                               registry=r)
+        self.migrations = Counter("splitserve_migrations", "Retries that resumed a request "
+                                  "after some of its tokens were streamed (replay)",
+                                  registry=r)
+        self.reprefills = Counter("splitserve_reprefills", "Failed KV imports the decode "
+                                  "worker recomputed locally (--kv-failure-policy recompute)",
+                                  registry=r)
+        self.stale_routes = Counter("splitserve_stale_routes", "Routed prefix hits the worker "
+                                    "no longer had (index entries invalidated, resynced)",
+                                    registry=r)
+        self.fenced_messages = Counter("splitserve_fenced_messages", "Messages refused from "
+                                       "removed or replaced worker incarnations", registry=r)
+        self.worker_restarts = Counter("splitserve_worker_restarts", "Worker processes "
+                                       "restarted after exiting", ["worker"], registry=r)
+        self.faults_injected = Counter("splitserve_faults_injected", "Faults armed through "
+                                       "the admin endpoint", ["kind"], registry=r)
         self.slo_attained = Counter("splitserve_slo_attained_requests",
                                     "Completed requests meeting the configured SLO "
                                     "(ttft, tpot, or all of them)", ["slo"], registry=r)

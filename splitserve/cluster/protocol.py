@@ -6,9 +6,10 @@ who sent a message without trusting its body. A frame is `msgpack([tag, *fields]
 decoding checks the tag, the field count and every field's type against the dataclass,
 and raises ProtocolError otherwise. Nothing is unpickled; no message names a method.
 
-    frontend -> worker: Generate, Prefill, Abort, ResyncKV, EvictBlocks, Shutdown
+    frontend -> worker: Generate, Prefill, Abort, ResyncKV, EvictBlocks, Shutdown,
+                        InjectFault, CheckPool
     worker -> frontend: WorkerReady, Output, KVPlanReady, RequestFailed, KVEventBatch,
-                        KVSnapshot, LoadReport, TransferReport
+                        KVSnapshot, LoadReport, TransferReport, PoolReport
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class Generate:
     await_kv: bool
     kv_timeout_s: float  # how long the reservation waits for the KV
     recompute_on_failure: bool  # a failed import falls back to a local prefill
+    # Output an earlier attempt produced (retry or migration): go on from there.
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class Prefill:
     params: SamplingParams
     namespace: str | None
     plan: dict[str, Any]
+    resume_token_ids: list[int] = field(default_factory=list)  # as in Generate
 
 
 @dataclass(slots=True)
@@ -72,6 +76,18 @@ class EvictBlocks:
 @dataclass(slots=True)
 class Shutdown:
     """Finish nothing, free everything, check the pool's invariants, exit."""
+
+
+@dataclass(slots=True)
+class InjectFault:
+    """Arm a fault (cluster/faults.py FaultSpec as a dict); refused by workers started
+    without fault injection."""
+    spec: dict[str, Any]
+
+
+@dataclass(slots=True)
+class CheckPool:
+    """Check the KV pool's invariants now and answer PoolReport."""
 
 
 # -- worker -> frontend ---------------------------------------------------------------------
@@ -157,12 +173,21 @@ class TransferReport:
     error: str | None  # the failure's class name, None when it succeeded
 
 
+@dataclass(slots=True)
+class PoolReport:
+    """The answer to CheckPool: whether the invariants hold and what is in use."""
+    ok: bool
+    error: str | None
+    num_used_blocks: int  # blocks referenced by requests (cached free blocks excluded)
+    num_requests: int  # live requests + finished ones holding KV for a transfer
+
+
 Message = (Generate | Prefill | Abort | ResyncKV | Shutdown | WorkerReady | Output
            | KVPlanReady | RequestFailed | KVEventBatch | KVSnapshot | LoadReport
-           | TransferReport | EvictBlocks)
+           | TransferReport | EvictBlocks | InjectFault | CheckPool | PoolReport)
 _TYPES: list[type] = [Generate, Prefill, Abort, ResyncKV, Shutdown, WorkerReady, Output,
                       KVPlanReady, RequestFailed, KVEventBatch, KVSnapshot, LoadReport,
-                      TransferReport, EvictBlocks]
+                      TransferReport, EvictBlocks, InjectFault, CheckPool, PoolReport]
 
 
 # -- encoding -------------------------------------------------------------------------------

@@ -141,6 +141,13 @@ class Router:
         if worker_id in self._workers:
             self.index.apply_snapshot(worker_id, seq, block_hashes)
 
+    def invalidate(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The worker turned out not to hold these blocks (a stale index entry): forget
+        them until its events or a snapshot say otherwise."""
+        if worker_id in self._workers:
+            self.index.remove_blocks(worker_id, block_hashes)
+            self._refresh(worker_id)
+
     def observe_prefill(self, worker_id: str, num_tokens: int, seconds: float) -> None:
         """A measured prefill of `num_tokens` uncached tokens on a worker."""
         worker = self._workers.get(worker_id)

@@ -32,6 +32,7 @@ class WorkerSpec:
     cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     report_interval_s: float = 0.1  # load reports, which double as heartbeats
+    fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; cluster/faults.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -17,10 +17,12 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 import zmq
 
 from splitserve.cluster import protocol as P
+from splitserve.cluster.faults import FaultInjector, FaultSpec
 from splitserve.cluster.runtime import WorkerSpec
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -68,6 +70,7 @@ class Worker:
         self.num_prompt_tokens = self.num_hit_tokens = 0
         self.next_report = 0.0
         self.stopping = False
+        self.faults = FaultInjector(spec.fault_injection)
 
     # -- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -84,6 +87,7 @@ class Worker:
         parent = os.getppid()
         while not self.stopping:
             self._receive(self._wait_s())
+            self._inject(self.faults.fire("now"))
             outputs = engine.step() if engine.has_unfinished else []
             if outputs and engine.last_step is not None:
                 s = engine.last_step
@@ -132,27 +136,74 @@ class Worker:
             self.engine.evict_cached_blocks(msg.block_hashes)
         elif isinstance(msg, P.Shutdown):
             self.stopping = True
+        elif isinstance(msg, P.InjectFault):
+            self.faults.arm(FaultSpec.from_dict(msg.spec))
+            logger.warning("fault armed: %s", msg.spec)
+        elif isinstance(msg, P.CheckPool):
+            self._check_pool()
+
+    def _check_pool(self) -> None:
+        error = None
+        try:
+            self.engine.check_invariants()
+        except AssertionError as exc:
+            error = f"AssertionError: {exc}"
+        self._send(P.PoolReport(error is None, error, self.engine.kv.pool.num_used_blocks,
+                                len(self.engine.scheduler.requests)
+                                + len(self.engine.held_request_ids())))
+
+    # -- fault injection (cluster/faults.py; off unless the spec enables it) --------------------
+    def _inject(self, fault: FaultSpec | None, rid: str | None = None) -> bool:
+        """Acts out a fired fault; True when the request `rid` must not go on here."""
+        if fault is None:
+            return False
+        logger.warning("injected fault fires: %s at %s (request %s)", fault.kind, fault.point, rid)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "stall":
+            time.sleep(fault.seconds)
+        elif fault.kind == "forget_cache":
+            self._publish_events()
+            self.engine.evict_cached_blocks(self.engine.cached_block_hashes())
+            self.engine.take_kv_events()  # lost: the frontend's index is now stale
+        elif fault.kind == "error" and rid is not None:
+            self._fail(rid, "InjectedFault", f"fault injection: {self.spec.worker_id} failed "
+                       "the request")
+            return True
+        elif fault.kind.endswith("_kv") and rid is not None and self.sender is not None:
+            self.sender.wire_faults[rid] = (fault.kind.removesuffix("_kv"), fault.seconds)
+        return False
 
     # -- requests -------------------------------------------------------------------------------
     def _generate(self, msg: P.Generate) -> None:
-        rid = msg.request_id
-        if not self._add(rid, msg.prompt_token_ids, msg.params, msg.namespace,
-                         await_kv=msg.await_kv):
+        rid, resumed = msg.request_id, msg.resume_token_ids
+        if self._inject(self.faults.fire("generate"), rid):
             return
-        self.streams[rid] = _Stream(logprobs_base=1 if msg.await_kv else 0)
+        if not self._add(rid, msg.prompt_token_ids, msg.params, msg.namespace,
+                         await_kv=msg.await_kv, resume_token_ids=resumed):
+            return
+        # The engine's logprobs start at the first token sampled here.
+        self.streams[rid] = _Stream(logprobs_base=len(resumed) + (1 if msg.await_kv else 0))
         if msg.await_kv:
             self.reserving[rid] = (msg, time.monotonic() + msg.kv_timeout_s)
             self._reserve()
 
     def _prefill(self, msg: P.Prefill) -> None:
-        rid, params = msg.request_id, msg.params
-        first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        rid, params, resumed = msg.request_id, msg.params, msg.resume_token_ids
+        # One token more than the resumed ones: the decode worker samples the rest.
+        n = len(resumed) + 1
+        first = replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n))
         if self.sender is None:
             self._fail(rid, "ProtocolError", f"{self.spec.worker_id} cannot send KV")
             return
-        if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=True):
+        if self._inject(self.faults.fire("prefill"), rid):
             return
-        self.streams[rid] = _Stream(first_token_only=params.max_tokens != 1, stops=params.stop)
+        if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=True,
+                         resume_token_ids=resumed):
+            return
+        self.streams[rid] = _Stream(logprobs_base=len(resumed),
+                                    first_token_only=params.max_tokens != n, stops=params.stop)
+        self._inject(self.faults.fire("transfer"), rid)
         try:
             self.sender.start(rid, TransferPlan.from_dict(msg.plan), namespace=msg.namespace)
         except (SplitserveError, ValueError, KeyError, TypeError) as exc:
@@ -162,7 +213,7 @@ class Worker:
             self._fail(rid, type(exc).__name__, str(exc))
 
     def _add(self, rid: str, prompt: list[int], params: object, namespace: str | None,
-             **kwargs: bool) -> bool:
+             **kwargs: Any) -> bool:
         try:
             req = self.engine.add_request(rid, prompt, params, namespace=namespace,  # type: ignore[arg-type]
                                           **kwargs)
@@ -252,10 +303,15 @@ class Worker:
         if out.finished:
             self.streams.pop(out.request_id, None)
             self.num_hit_tokens += out.num_cached_tokens
+        if num_new:
+            self._inject(self.faults.fire("first_token" if stream.first_token_only
+                                          else "decode"), out.request_id)
 
     # -- events and reports ---------------------------------------------------------------------
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()
+        if events and self.faults.fire("events") is not None:
+            return  # injected: these events are lost without a trace (no seq gap)
         if events:
             self.event_seq += 1
             self._send(P.KVEventBatch(self.event_seq, events))

@@ -36,6 +36,7 @@ class WorkerTable:
         self.workers: dict[bytes, WorkerInfo] = {}
         self.by_id: dict[str, WorkerInfo] = {}
         self.fingerprint: str | None = None
+        self.seen: set[bytes] = set()  # every identity that ever registered
 
     def register(self, identity: bytes, ready: WorkerReady) -> WorkerInfo:
         """Adds a worker; all workers must share one model fingerprint (same model, dtype,
@@ -53,6 +54,7 @@ class WorkerTable:
         if old is not None:  # a new incarnation replaces the old one
             self.workers.pop(old.identity, None)
         info = WorkerInfo(identity, ready, time.monotonic())
+        self.seen.add(identity)
         self.workers[identity] = info
         self.by_id[ready.worker_id] = info
         return info

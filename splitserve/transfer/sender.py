@@ -95,6 +95,8 @@ class KVSender:
         self.compression = compression
         self.num_released = 0  # requests whose held KV this sender freed (exactly once each)
         self._exports: dict[str, _Export] = {}
+        # Injected wire faults by request id: (kind, seconds), kind drop | corrupt | delay.
+        self.wire_faults: dict[str, tuple[str, float]] = {}
         self._streaming: list[tuple[_Export, list[int]]] = []
         self._streaming_batch: ScheduledBatch | None = None
         self._chained = engine.layer_listener
@@ -304,6 +306,11 @@ class KVSender:
 
     def _stream(self, export: _Export) -> None:
         header, tel, deadline = export.header, export.handle.telemetry, export.deadline
+        fault, delay_s = self.wire_faults.pop(export.plan.request_id, ("", 0.0))
+        if fault == "drop":
+            raise KVTransferError("fault injection: this transfer is dropped")
+        if fault == "delay":
+            time.sleep(min(delay_s, remaining(deadline, "delaying the send (fault injection)")))
         export.channel = get_transport(scheme(export.plan.address)).connect(
             export.plan.address, deadline)
         if export.handle.poll().is_terminal:  # failed/cancelled while connecting
@@ -323,6 +330,8 @@ class KVSender:
             t0 = time.perf_counter()
             parts = pack_layer(header, layer, job.kv)
             tel.pack_s += time.perf_counter() - t0
+            if fault == "corrupt" and layer == 0:
+                parts = _flip_a_byte(parts)
             self._send(export, parts)
         job = self._next_job(export)
         assert isinstance(job, _TrailerJob), "the trailer follows the last layer"
@@ -380,3 +389,10 @@ class KVSender:
         tel = export.handle.telemetry
         tel.wire_s += end - start
         tel.wire_bytes += sum(len(memoryview(p).cast("B")) for p in parts)
+
+
+def _flip_a_byte(parts: list[Buffer]) -> list[Buffer]:
+    """Fault injection: the last part (the layer's payload) with its middle byte flipped."""
+    payload = bytearray(memoryview(parts[-1]).cast("B"))
+    payload[len(payload) // 2] ^= 0xFF
+    return [*parts[:-1], bytes(payload)]

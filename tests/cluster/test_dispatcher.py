@@ -63,10 +63,11 @@ Scenario = Callable[[Dispatcher, zmq.asyncio.Context], Awaitable[None]]
 
 
 def run(scenario: Scenario, deadlines: DeadlineConfig | None = None,
-        policy: str = "auto", max_queue_len: int = 256) -> None:
+        policy: str = "auto", max_queue_len: int = 256, **kwargs: Any) -> None:
     async def main() -> None:
         dispatcher = Dispatcher(Router(RouterConfig(disagg=policy)),
-                                deadlines or DeadlineConfig(), max_queue_len=max_queue_len)
+                                deadlines or DeadlineConfig(), max_queue_len=max_queue_len,
+                                **kwargs)
         dispatcher.start()
         ctx = zmq.asyncio.Context()
         try:
@@ -159,7 +160,7 @@ def test_a_stalled_decode_times_out_and_is_aborted() -> None:
             await task
         assert err.value.stage == "decode"
         assert (await w.expect(P.Abort)).request_id == "r1"
-    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3))
+    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3), max_retries=0)
 
 
 def test_worker_errors_reach_the_caller_typed() -> None:
@@ -197,7 +198,8 @@ def test_messages_from_unknown_or_replaced_workers_are_ignored() -> None:
         await stranger.send(output("r1", 0, [666], 0, "evil", finished=True))
         new = ScriptedWorker(ctx, d.address, "both", epoch=2)  # a restart of both-0
         await new.register()
-        await asyncio.sleep(0.2)
+        retry = await new.expect(P.Generate)  # the request resumes on the new incarnation
+        assert retry.request_id == "r1#1"
         await w.send(output("r1", 0, [1], 0, "old epoch", finished=True))  # fenced off
         await asyncio.sleep(0.2)
         assert not task.done()

@@ -15,9 +15,12 @@ from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
 H1, H2 = b"\x01" * 16, b"\x02" * 16
 MESSAGES: list[P.Message] = [
     P.Generate("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["\n"], seed=7), "ns",
-               await_kv=True, kv_timeout_s=30.0, recompute_on_failure=True),
+               await_kv=True, kv_timeout_s=30.0, recompute_on_failure=True,
+               resume_token_ids=[9, 8]),
     P.Prefill("r1", [1, 2], SamplingParams(max_tokens=4), None,
-              {"transfer_id": "t", "address": "tcp://127.0.0.1:1"}),
+              {"transfer_id": "t", "address": "tcp://127.0.0.1:1"}, [9]),
+    P.InjectFault({"kind": "kill", "point": "decode", "after": 3}), P.CheckPool(),
+    P.PoolReport(False, "AssertionError: leaked", 3, 1),
     P.Abort("r1"), P.ResyncKV(), P.Shutdown(), P.EvictBlocks([H1, H2]),
     P.WorkerReady("decode-0", "decode", 42, "ab" * 16, 16, 100, 2048, 64, "tcp://x:1", 4608),
     P.Output("r1", 1, [5, 6], 3, "hi", 1, [SampledToken(5, -0.5, [(5, -0.5), (9, -2.0)]),
@@ -43,9 +46,9 @@ def test_every_message_round_trips(msg: P.Message) -> None:
     (msgpack.packb([99]), "known tag"),
     (msgpack.packb([2]), "takes 1 fields"),
     (msgpack.packb([2, 5]), "expected str"),
-    (msgpack.packb([0, "r", ["a"], {}, None, True, 1.0, True]), "list of ints"),
-    (msgpack.packb([0, "r", [1], {"temperature": -1}, None, True, 1.0, True]), "temperature"),
-    (msgpack.packb([0, "r", [1], {"nope": 1}, None, True, 1.0, True]), "nope"),
+    (msgpack.packb([0, "r", ["a"], {}, None, True, 1.0, True, []]), "list of ints"),
+    (msgpack.packb([0, "r", [1], {"temperature": -1}, None, True, 1.0, True, []]), "temperature"),
+    (msgpack.packb([0, "r", [1], {"nope": 1}, None, True, 1.0, True, []]), "nope"),
     (msgpack.packb([2, True]), "expected str"),
     (msgpack.packb([10, 1, 3]), "list of block hashes"),
 ])

@@ -1,0 +1,305 @@
+"""Goodput study (issue 5): the highest request rate at which >= 90% of requests meet both
+the TTFT and the TPOT SLO, for colocated (`agg`), disaggregated (`disagg`) and conditionally
+disaggregated (`auto`) serving on the same 2 cores, on three workloads.
+
+    python bench/goodput_study.py --table all            # ~40 min; writes docs/
+    python bench/goodput_study.py --table a --resume     # reuse finished sweeps
+    python bench/goodput_study.py --table all --quick --out /tmp/gp   # ~6 min check
+
+One server at a time (started, warmed up, swept, stopped with SIGTERM). Per workload the
+SLOs come from unloaded latencies measured on `agg` first (rule in `derive_slo`); each
+configuration's rate search is in `next_index`. Each finished sweep is saved to JSON at
+once, so `--resume` skips it. The method text of the docs section is `METHOD` below.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _path in (_ROOT, _ROOT / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from bench.common import (DEFAULT_OUTPUT, CpuMonitor, _split_sections,  # noqa: E402
+                          command_line, machine_description, machine_markdown,
+                          markdown_table, now_utc, write_section)
+from splitserve.bench import (SLO, BenchConfig, BenchReport, LengthDist,  # noqa: E402
+                              RequestRecord, SweepReport, compute_metrics, plot_attainment,
+                              plot_cdf, run_bench, write_json)
+from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402
+from splitserve.bench.client import ServerInfo  # noqa: E402
+from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
+
+TARGET = 0.9  # SLO attainment that defines goodput (DistServe)
+SECTION = "Goodput study"
+READING = "### Reading (hand-written)"
+MAX_MODEL_LEN = 4096  # the server's default context; the Mooncake replay is cut to it
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A serving configuration: `splitserve serve` flags (the SLO flags added when
+    `takes_slo`, so the router can weigh TPOT per request)."""
+    name: str
+    flags: tuple[str, ...]
+    layout: str
+    takes_slo: bool = False
+
+
+SETUPS = {s.name: s for s in (
+    Setup("agg", ("--mode", "agg", "--decode", "2"), "2 colocated workers, 1 core each"),
+    Setup("agg1", ("--mode", "agg", "--decode", "1"), "1 colocated worker, 2 cores"),
+    Setup("disagg", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                     "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
+    Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                   "--disagg-policy", "auto"), "as disagg; router decides per request", True),
+)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One table: its requests (BenchConfig fields), the SLO factors, and the rate ladder
+    `low * sqrt(2)**i`, i < `steps`, on which the search starts at index `start`."""
+    key: str
+    title: str
+    bench: dict[str, Any]
+    num_requests: int
+    k_ttft: float
+    k_tpot: float
+    low: float
+    steps: int
+    start: int
+    tail_s: float  # the last request's latency after the last arrival (time estimate)
+
+    def ladder(self, quick: bool) -> list[float]:
+        low = self.low * (2 if quick else 1)  # quick lengths are 4x shorter
+        return [round(low * math.sqrt(2) ** i, 4) for i in range(self.steps)]
+
+    def config(self, quick: bool, **extra: Any) -> BenchConfig:
+        fields = dict(self.bench)
+        if quick:  # lengths / 4: the pipeline is checked, the numbers mean nothing
+            for name in ("input_len", "output_len"):
+                if name in fields:
+                    fields[name] = dataclasses.replace(fields[name], mean=fields[name].mean // 4)
+            fields["length_scale"] = fields.get("length_scale", 1.0) / 4
+        return BenchConfig(**{**fields, "max_model_len": MAX_MODEL_LEN, **extra})
+
+
+def _uniform(lo: int, hi: int) -> LengthDist:
+    return LengthDist("uniform", (lo + hi) // 2, (hi - lo) / (hi + lo))
+
+
+WORKLOADS = {w.key: w for w in (
+    Workload("a", "(a) prompt-heavy interference", dict(
+        input_len=_uniform(1024, 2048), output_len=_uniform(64, 128)),
+        num_requests=20, k_ttft=3.0, k_tpot=1.5, low=0.0625, steps=8, start=3, tail_s=15),
+    Workload("b", "(b) short-prompt chat", dict(
+        input_len=_uniform(64, 256), output_len=_uniform(64, 128)),
+        num_requests=40, k_ttft=3.0, k_tpot=2.0, low=0.25, steps=10, start=5, tail_s=6),
+    Workload("c", "(c) Mooncake conversation replay, scaled", dict(
+        workload="mooncake", length_scale=1 / 16),
+        num_requests=30, k_ttft=3.0, k_tpot=2.0, low=0.125, steps=9, start=4, tail_s=10),
+)}
+
+
+def next_index(results: dict[int, float], start: int, size: int,
+               target: float = TARGET) -> int | None:
+    """The next ladder index to run, given attainment by index so far: `start` first;
+    two steps (x2) up while every point met `target`, two down while every one missed;
+    then halve the bracket (highest pass below the lowest miss, that miss) until it is one
+    step (x1.41) wide. None when done or at the ladder's end."""
+    if not results:
+        return start
+    hi = min((i for i, a in results.items() if a < target), default=None)
+    lo = max((i for i, a in results.items() if a >= target and (hi is None or i < hi)),
+             default=None)
+    if hi is None:
+        assert lo is not None
+        nxt = min(lo + 2, size - 1)
+    elif lo is None:
+        nxt = max(hi - 2, 0)
+    else:
+        nxt = (lo + hi) // 2
+    return None if nxt in results else nxt
+
+
+def derive_slo(ttft0_s: float, tpot0_s: float, k_ttft: float, k_tpot: float) -> SLO:
+    """TTFT SLO = k_ttft x the unloaded TTFT of a p90-length prompt, TPOT SLO = k_tpot x its
+    unloaded TPOT (whole ms). The p90 prompt makes the TTFT target reachable for >= 90% of
+    requests on an idle server whatever the length spread (a median prompt would not be for
+    the heavy-tailed Mooncake lengths)."""
+    return SLO(ttft_ms=round(k_ttft * ttft0_s * 1e3), tpot_ms=round(k_tpot * tpot0_s * 1e3))
+
+
+@contextlib.contextmanager
+def serving(setup: Setup, slo: SLO | None) -> Iterator[str]:
+    """`splitserve serve` for `setup` on a free port (the e2e tests' launcher), stopped
+    with SIGTERM and waited for, so the next setup gets the cores to itself."""
+    from conftest import ServerProcess
+
+    flags = list(setup.flags)
+    if setup.takes_slo and slo is not None:
+        flags += ["--slo-ttft-ms", f"{slo.ttft_ms:g}", "--slo-tpot-ms", f"{slo.tpot_ms:g}"]
+    print(f"  starting {setup.name}: splitserve serve {' '.join(flags)}", flush=True)
+    server = ServerProcess(*flags)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def lengths(w: Workload, quick: bool, n: int) -> tuple[int, int, WorkloadInfo]:
+    """(p90 prompt, median output, info) of the workload's requests as the sweeps send them."""
+    built = build_workload(w.config(quick, num_requests=n), MAX_MODEL_LEN)
+    inputs = sorted(len(r.prompt_token_ids) for r in built.requests)
+    p90 = inputs[min(len(inputs) - 1, math.ceil(0.9 * len(inputs)) - 1)]
+    return p90, round(statistics.median(r.output_len for r in built.requests)), built.info
+
+
+def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict[str, Any]:
+    """Unloaded TTFT/TPOT on this (agg) server: one request at a time, p90 prompt, median
+    output, fresh tokens (a prefix hit would flatter the TTFT); SLO per `derive_slo`."""
+    p90_in, med_out, _ = lengths(w, quick, n)
+    cfg = BenchConfig(base_url=url, input_len=LengthDist("fixed", p90_in),
+                      output_len=LengthDist("fixed", max(2, med_out)), num_requests=2 if quick
+                      else 3, max_concurrency=1, rate=math.inf, run_index=2, label="calibrate")
+    m = run_bench(cfg).metrics
+    assert m.ttft_ms.median is not None and m.tpot_ms.median is not None, m.errors
+    ttft0, tpot0 = m.ttft_ms.median / 1e3, m.tpot_ms.median / 1e3
+    slo = derive_slo(ttft0, tpot0, w.k_ttft, w.k_tpot)
+    slo = SLO(override.ttft_ms or slo.ttft_ms, override.tpot_ms or slo.tpot_ms)
+    return {"prompt_len": p90_in, "output_len": med_out, "ttft0_ms": ttft0 * 1e3,
+            "tpot0_ms": tpot0 * 1e3, "k_ttft": w.k_ttft, "k_tpot": w.k_tpot,
+            "slo": dataclasses.asdict(slo)}
+
+
+def sweep(url: str, name: str, w: Workload, slo: SLO, args: argparse.Namespace) -> SweepReport:
+    """Warm-up, then the rate search of `next_index`; points at the same ladder index send
+    the same prompts and arrival draws in every configuration (run_index = 10 + index)."""
+    run_bench(w.config(args.quick, base_url=url, num_requests=2, rate=math.inf,
+                       output_len=LengthDist("fixed", 4), run_index=1, label="warmup"))
+    ladder, results, runs = w.ladder(args.quick), {}, []
+    while len(runs) < (2 if args.quick else args.max_points):
+        i = next_index(results, w.start, len(ladder))
+        if i is None:
+            break
+        t0 = time.monotonic()
+        run = run_bench(w.config(args.quick, base_url=url, num_requests=args.n, rate=ladder[i],
+                                 slo=slo, run_index=10 + i, request_timeout_s=300, label=name),
+                        command_line())
+        m, results[i] = run.metrics, run.metrics.slo_attainment
+        runs.append(run)
+        print(f"  [{w.key}/{name}] {ladder[i]:g} req/s: attainment {m.slo_attainment:.0%} "
+              f"(TTFT {m.ttft_attainment:.0%}, TPOT {m.tpot_attainment:.0%}; p90 TTFT "
+              f"{m.ttft_ms.p90 or 0:.0f} ms, TPOT {m.tpot_ms.p90 or 0:.1f} ms; failed "
+              f"{m.num_failed}) in {time.monotonic() - t0:.0f} s", flush=True)
+        if m.errors:
+            print(f"    errors: {m.errors}", flush=True)
+    runs.sort(key=lambda r: r.config.rate or 0.0)
+    return SweepReport(name, runs, command_line())
+
+
+def load_sweep(path: Path) -> SweepReport:
+    """A SweepReport back from its `write_json` file (metrics recomputed from the records;
+    the server breakdown stays in the file only)."""
+    def num(v: Any) -> Any:
+        return float(v) if isinstance(v, str) else v  # "inf" back to float
+
+    data = json.loads(path.read_text())
+    runs = []
+    for r in data["runs"]:
+        c = r["config"]
+        slo = SLO(**c["slo"])
+        config = BenchConfig(**{**c, "input_len": LengthDist(**c["input_len"]), "slo": slo,
+                                "output_len": LengthDist(**c["output_len"]),
+                                "rate": num(c["rate"])})
+        records = [RequestRecord(**rec) for rec in r["requests"]]
+        runs.append(BenchReport(
+            config, ServerInfo(**r["server"]), WorkloadInfo(**r["workload"]),
+            ArrivalInfo(**{**r["arrivals"], "rate": num(r["arrivals"]["rate"])}),
+            compute_metrics(records, r["summary"]["duration_s"], slo), None, records,
+            r["command"], r["date"], r["machine"]))
+    return SweepReport(data["label"], runs, data["command"], data["date"], data["machine"])
+
+
+def cdf_rate(sweeps: Sequence[SweepReport]) -> float:
+    """The rate every configuration ran at where their attainments differ most (the
+    highest such rate on ties): where the CDFs show why they differ."""
+    common = set.intersection(*(set(s.rates) for s in sweeps))
+    def spread(rate: float) -> tuple[float, float]:
+        att = [r.metrics.slo_attainment for s in sweeps for r in s.runs if r.config.rate == rate]
+        return max(att) - min(att), rate
+    return max(common, key=spread)
+
+
+def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any],
+              loads: dict[str, float], args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The table's data (also `<key>.json`) and its plots."""
+    ladder = w.ladder(args.quick)
+    base = sweeps["agg"].max_rate_meeting(TARGET) if "agg" in sweeps else None
+    rows = []
+    for name, s in sweeps.items():
+        best = s.max_rate_meeting(TARGET)
+        misses = [r for r, run in zip(s.rates, s.runs) if run.metrics.slo_attainment < TARGET
+                  and (best is None or r > best)]
+        rows.append({"config": name, "flags": " ".join(SETUPS[name].flags),
+                     "layout": SETUPS[name].layout, "max_rate": best,
+                     "first_miss": min(misses, default=None), "top": ladder[-1],
+                     "ratio": best / base if best and base else None,
+                     "points": [[r, run.metrics.slo_attainment] for r, run in zip(s.rates, s.runs)],
+                     "failed": sum(run.metrics.num_failed for run in s.runs),
+                     "other_cpu_cores": loads.get(name)})
+    first = next(iter(sweeps.values())).runs[0]
+    rate = cdf_rate(list(sweeps.values()))
+    plot_attainment(list(sweeps.values()), out / f"{w.key}_attainment.png", TARGET)
+    at = [r for s in sweeps.values() for r in s.runs if r.config.rate == rate]
+    for metric in ("ttft", "tpot"):
+        plot_cdf(at, metric, out / f"{w.key}_{metric}_cdf.png")
+    return {"key": w.key, "title": w.title, "workload": dataclasses.asdict(first.workload),
+            "num_requests": args.n, "calibration": calib, "rows": rows, "cdf_rate": rate,
+            "quick": args.quick, "command": command_line(), "date": now_utc(),
+            "machine": machine_markdown(machine_description()), "out": str(out)}
+
+
+def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Calibrate on agg (unless saved or overridden), then one sweep per configuration,
+    each saved at once; returns the table's data."""
+    settings = {"quick": args.quick, "n": args.n, "workload": repr(w)}
+    slo_path = out / f"{w.key}_slo.json"
+    calib = json.loads(slo_path.read_text()) if args.resume and slo_path.exists() else None
+    if calib is not None and calib.get("settings") != settings:
+        print(f"  {slo_path} was made with other settings; measuring again")
+        calib = None
+    override = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    if calib is None and override.ttft_ms and override.tpot_ms:
+        calib = {"override": True, "slo": dataclasses.asdict(override), "settings": settings}
+    paths = {name: out / f"{w.key}_{name}.json" for name in args.configs}
+    sweeps = {n: load_sweep(p) for n, p in paths.items() if calib and args.resume and p.exists()}
+    todo = sorted((n for n in args.configs if n not in sweeps), key=lambda n: n != "agg")
+    if calib is None and "agg" not in todo:  # the SLO is always measured on agg
+        with serving(SETUPS["agg"], None) as url:
+            calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
+    loads: dict[str, float] = {}
+    for name in todo:
+        monitor = CpuMonitor().start()
+        with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None) as url:
+            if calib is None:  # name == "agg", first
+                calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
+            slo_path.write_text(json.dumps(calib, indent=1) + "\n")
+            print(f"  SLO {calib['slo']} from {calib}", flush=True)
+            sweeps[name] = sweep(url, name, w, SLO(**calib["slo"]), args)
+        loads[name] = monitor.stop()
+        write_json(sweeps[name], paths[name])
+    assert calib is not None
+    return summarize(w, {n: sweeps[n] for n in args.configs}, calib, loads, args, out)

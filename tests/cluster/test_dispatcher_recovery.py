@@ -1,0 +1,138 @@
+"""The dispatcher's recovery (DESIGN 7) against scripted workers: retries resume the
+stream from the tokens already merged, late messages of old attempts and removed
+incarnations are refused, stale routed hits are invalidated. The same paths with real
+worker processes and fault injection: tests/api/test_faults_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.config import DeadlineConfig
+from splitserve.errors import WorkerFailed
+from tests.cluster.test_dispatcher import (ScriptedWorker, collect, output, request, run,
+                                           workers)
+
+
+def test_a_stalled_decode_resumes_from_the_merged_tokens() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a"))
+        assert (await w.expect(P.Abort)).request_id == "r1"  # stalled: attempt 0 dropped
+        retry = await w.expect(P.Generate)
+        assert retry.request_id == "r1#1" and retry.resume_token_ids == [7]
+        await w.send(output("r1", 1, [99], 1, "LATE"))  # the old attempt: refused
+        await w.send(output("r1#1", 0, [7, 8], 0, "ab", finished=True))
+        deltas = await task
+        assert [x.token_ids for x in deltas] == [[7], [8]]
+        assert "".join(x.text for x in deltas) == "ab"
+        assert b'splitserve_retries_total{reason="timeout_decode"} 1.0' in d.metrics_text()
+        assert b"splitserve_migrations_total 1.0" in d.metrics_text()
+    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3))
+
+
+def test_a_dead_prefill_worker_is_replaced_by_a_local_prefill() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        assert (await dec.expect(P.Generate)).await_kv
+        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
+        await p.expect(P.Prefill)
+        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        assert (await dec.expect(P.Abort)).request_id == "r1"
+        retry = await dec.expect(P.Generate)
+        assert retry.request_id == "r1#1" and not retry.await_kv and not retry.resume_token_ids
+        await dec.send(output("r1#1", 0, [5, 6], 0, "xy", finished=True))
+        assert [x.token_ids for x in await task] == [[5, 6]]
+    run(scenario, policy="always")
+
+
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_kv_failure_policy(policy: str) -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        gen = await dec.expect(P.Generate)
+        assert not gen.recompute_on_failure  # only "recompute" lets D fall back by itself
+        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
+        await p.expect(P.Prefill)
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await dec.send(P.RequestFailed("r1", "ChecksumMismatch", "layer 0 checksum"))
+        if policy == "fail":
+            with pytest.raises(WorkerFailed, match="ChecksumMismatch.*kv-failure-policy fail"):
+                await task
+            return
+        retry = await dec.expect(P.Generate)
+        assert retry.request_id == "r1#1" and retry.await_kv and retry.resume_token_ids == [5]
+        await dec.send(P.KVPlanReady("r1#1", {"transfer_id": "t2"}))
+        prefill = await p.expect(P.Prefill)
+        assert prefill.resume_token_ids == [5]
+        await dec.send(output("r1#1", 0, [5, 6, 7], 0, "xyz", finished=True))
+        assert [x.token_ids for x in await task] == [[5], [6, 7]]
+    run(scenario, policy="always", kv_failure_policy=policy)
+
+
+def test_retries_stop_at_the_budget() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        for attempt in ("r1", "r1#1"):
+            assert (await w.expect(P.Generate)).request_id == attempt
+            await w.send(P.RequestFailed(attempt, "RuntimeError", "boom"))
+        with pytest.raises(WorkerFailed, match="boom"):
+            await task
+    run(scenario, max_retries=1)
+
+
+def test_a_removed_incarnation_is_fenced_and_told_to_exit() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (old,) = await workers(d, ctx, "both")
+        new = ScriptedWorker(ctx, d.address, "both", epoch=2)
+        await new.register()  # a restart: the new epoch replaces the old one
+        await asyncio.sleep(0.1)
+        await old.send(P.KVEventBatch(1, []))
+        await old.expect(P.Shutdown)
+        assert b"splitserve_fenced_messages_total 1.0" in d.metrics_text()
+        assert [w["id"] for w in d.health()["workers"]] == ["both-0"]
+    run(scenario)
+
+
+def test_a_routed_hit_the_worker_lacks_is_invalidated() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        req = request()
+        req.prompt_token_ids = list(range(40))  # 2 full blocks + 8 tokens
+        hashes = d._hashes(req)
+        from splitserve.kv_cache import BlockStored
+        await w.send(P.KVEventBatch(1, [BlockStored(tuple(hashes), None)]))
+        await asyncio.sleep(0.1)
+        task = asyncio.create_task(collect(d.generate(req)))
+        await w.expect(P.Generate)
+        out = output("r1", 0, [7], 0, "a", finished=True)
+        out.num_cached_tokens = 0  # the router expected 32
+        await w.send(out)
+        await task
+        await w.expect(P.ResyncKV)
+        assert d.router.index.match(hashes) == {}
+        assert b"splitserve_stale_routes_total 1.0" in d.metrics_text()
+    run(scenario)
+
+
+def test_fault_injection_is_refused_unless_enabled() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        with pytest.raises(PermissionError):
+            d.inject_fault("both-0", {"kind": "kill"})
+        d.fault_injection = True
+        with pytest.raises(KeyError):
+            d.inject_fault("nobody", {"kind": "kill"})
+        d.inject_fault("both-0", {"kind": "kill", "point": "decode", "after": 2})
+        msg = await w.expect(P.InjectFault)
+        assert msg.spec["point"] == "decode" and msg.spec["after"] == 2
+    run(scenario)
