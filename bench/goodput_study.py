@@ -89,9 +89,6 @@ class Workload:
     def config(self, quick: bool, **extra: Any) -> BenchConfig:
         fields = dict(self.bench)
         if quick:  # lengths / 4: the pipeline is checked, the numbers mean nothing
-            for name in ("input_len", "output_len"):
-                if name in fields:
-                    fields[name] = dataclasses.replace(fields[name], mean=fields[name].mean // 4)
             fields["length_scale"] = fields.get("length_scale", 1.0) / 4
         return BenchConfig(**{**fields, "max_model_len": MAX_MODEL_LEN, **extra})
 
@@ -179,6 +176,9 @@ def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict
     ttft0, tpot0 = m.ttft_ms.median / 1e3, m.tpot_ms.median / 1e3
     slo = derive_slo(ttft0, tpot0, w.k_ttft, w.k_tpot)
     slo = SLO(override.ttft_ms or slo.ttft_ms, override.tpot_ms or slo.tpot_ms)
+    print(f"  SLO: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms (unloaded, "
+          f"{p90_in}-token prompt, {med_out} output tokens: TTFT {ttft0 * 1e3:.0f} ms, TPOT "
+          f"{tpot0 * 1e3:.1f} ms)", flush=True)
     return {"prompt_len": p90_in, "output_len": med_out, "ttft0_ms": ttft0 * 1e3,
             "tpot0_ms": tpot0 * 1e3, "k_ttft": w.k_ttft, "k_tpot": w.k_tpot,
             "slo": dataclasses.asdict(slo)}
@@ -189,7 +189,7 @@ def sweep(url: str, name: str, w: Workload, slo: SLO, args: argparse.Namespace) 
     the same prompts and arrival draws in every configuration (run_index = 10 + index)."""
     run_bench(w.config(args.quick, base_url=url, num_requests=2, rate=math.inf,
                        output_len=LengthDist("fixed", 4), run_index=1, label="warmup"))
-    ladder, results, runs = w.ladder(args.quick), {}, []
+    ladder, results, runs = w.ladder(args.quick), dict[int, float](), list[BenchReport]()
     while len(runs) < (2 if args.quick else args.max_points):
         i = next_index(results, w.start, len(ladder))
         if i is None:
@@ -244,10 +244,8 @@ def cdf_rate(sweeps: Sequence[SweepReport]) -> float:
 
 
 def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any],
-              loads: dict[str, float], args: argparse.Namespace, out: Path) -> dict[str, Any]:
+              args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The table's data (also `<key>.json`) and its plots."""
-    ladder = w.ladder(args.quick)
-    base = sweeps["agg"].max_rate_meeting(TARGET) if "agg" in sweeps else None
     rows = []
     for name, s in sweeps.items():
         best = s.max_rate_meeting(TARGET)
@@ -255,11 +253,10 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
                   and (best is None or r > best)]
         rows.append({"config": name, "flags": " ".join(SETUPS[name].flags),
                      "layout": SETUPS[name].layout, "max_rate": best,
-                     "first_miss": min(misses, default=None), "top": ladder[-1],
-                     "ratio": best / base if best and base else None,
+                     "first_miss": min(misses, default=None),
                      "points": [[r, run.metrics.slo_attainment] for r, run in zip(s.rates, s.runs)],
                      "failed": sum(run.metrics.num_failed for run in s.runs),
-                     "other_cpu_cores": loads.get(name)})
+                     "other_cpu_cores": calib.get("other_cpu_cores", {}).get(name)})
     first = next(iter(sweeps.values())).runs[0]
     rate = cdf_rate(list(sweeps.values()))
     plot_attainment(list(sweeps.values()), out / f"{w.key}_attainment.png", TARGET)
@@ -290,16 +287,155 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
     if calib is None and "agg" not in todo:  # the SLO is always measured on agg
         with serving(SETUPS["agg"], None) as url:
             calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
-    loads: dict[str, float] = {}
     for name in todo:
         monitor = CpuMonitor().start()
         with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None) as url:
             if calib is None:  # name == "agg", first
                 calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
-            slo_path.write_text(json.dumps(calib, indent=1) + "\n")
-            print(f"  SLO {calib['slo']} from {calib}", flush=True)
             sweeps[name] = sweep(url, name, w, SLO(**calib["slo"]), args)
-        loads[name] = monitor.stop()
+        calib.setdefault("other_cpu_cores", {})[name] = monitor.stop()
+        slo_path.write_text(json.dumps(calib, indent=1) + "\n")
         write_json(sweeps[name], paths[name])
     assert calib is not None
-    return summarize(w, {n: sweeps[n] for n in args.configs}, calib, loads, args, out)
+    return summarize(w, {n: sweeps[n] for n in args.configs}, calib, args, out)
+
+
+# -- docs/benchmarks.md ---------------------------------------------------------------------
+def _rate_text(row: dict[str, Any]) -> str:
+    tried = [p[0] for p in row["points"]]
+    if row["max_rate"] is None:
+        return f"< {min(tried):.3g}"
+    if row["first_miss"] is None:
+        return f">= {row['max_rate']:.3g} (no miss)"
+    return f"{row['max_rate']:.3g} (misses at {row['first_miss']:.3g})"
+
+
+def ratio_text(row: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """max rate / agg's; `>` or `<` when one side is only a bound (no pass or no miss)."""
+    if base is None or row is base:
+        return "1" if row is base else "-"
+    r, b = row["max_rate"], base["max_rate"]
+    if r is None and b is None:
+        return "-"
+    if b is None:  # agg's max < its lowest tried rate
+        return f"> {r / min(p[0] for p in base['points']):.2f}x"
+    if r is None:
+        return f"< {min(p[0] for p in row['points']) / b:.2f}x"
+    lower, upper = row["first_miss"] is None, base["first_miss"] is None
+    if lower and upper:
+        return "? (neither missed)"
+    return (">= " if lower else "<= " if upper else "") + f"{r / b:.2f}x"
+
+
+def render_table(t: dict[str, Any], doc_dir: Path) -> str:
+    """One workload's subsection: what was sent, the SLO and where it came from, the table."""
+    w, c, slo = t["workload"], t["calibration"], t["calibration"]["slo"]
+    origin = ("given on the command line" if c.get("override") else
+              f"{c['k_ttft']:g} x {c['ttft0_ms']:.0f} ms and {c['k_tpot']:g} x "
+              f"{c['tpot0_ms']:.1f} ms, the unloaded TTFT and TPOT of a {c['prompt_len']}-token "
+              f"prompt with {c['output_len']} output tokens on agg")
+    base = next((r for r in t["rows"] if r["config"] == "agg"), None)
+    rows = [[f"`{r['config']}`", r["layout"], _rate_text(r), ratio_text(r, base),
+             ", ".join(f"{rate:.3g}: {a:.0%}" for rate, a in r["points"]), r["failed"],
+             "-" if r["other_cpu_cores"] is None else f"{r['other_cpu_cores']:.2f}"]
+            for r in t["rows"]]
+    plots = Path(os.path.relpath(t["out"], doc_dir))
+    return "\n".join([
+        f"### {t['title']}{' (--quick: not a result)' if t['quick'] else ''}", "",
+        f"Measured {t['date']} with `{t['command']}`; machine: {t['machine']}.", "",
+        f"Workload: {w['description']}; {t['num_requests']} requests per rate; input tokens "
+        f"mean {w['mean_input_len']:.0f} / max {w['max_input_len']}, output mean "
+        f"{w['mean_output_len']:.0f}" + (f", {w['num_clamped']} cut to the context"
+                                         if w["num_clamped"] else "")
+        + (f"; {w['block_size']} tokens per hash id" if w["block_size"] else "")
+        + f"; reusable prompt prefix {w['prefix_reuse_ratio']:.1%}.", "",
+        f"SLO: TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms ({origin}).", "",
+        markdown_table(["config", "layout", f"max rate at {TARGET:.0%} (req/s)", "vs agg",
+                        "attainment by rate (req/s: share)", "failed", "other CPU (cores)"],
+                       rows), "",
+        f"Plots: [attainment vs rate]({plots / (t['key'] + '_attainment.png')}), "
+        f"[TTFT CDF]({plots / (t['key'] + '_ttft_cdf.png')}) and "
+        f"[TPOT CDF]({plots / (t['key'] + '_tpot_cdf.png')}) at {t['cdf_rate']:.3g} req/s."])
+
+
+def hand_written(doc: Path) -> tuple[str, str]:
+    """The section's `### Method (hand-written)` and `### Reading (hand-written)` parts,
+    each up to the next `### ` heading, which the script keeps as they are."""
+    text = doc.read_text() if doc.exists() else ""
+    body = next((b for title, b in _split_sections(text)[1] if title == SECTION), "")
+    parts = []
+    for heading in ("### Method (hand-written)", READING):
+        start = body.find(heading)
+        end = body.find("\n### ", start + 1) if start >= 0 else -1
+        parts.append("" if start < 0 else body[start:end if end >= 0 else None].strip())
+    return parts[0] or "### Method (hand-written)\n\nSee `bench/goodput_study.py`.", \
+        parts[1] or f"{READING}\n\n_Not written yet._"
+
+
+def section_body(doc: Path, out: Path) -> str:
+    method, reading = hand_written(doc)
+    tables = [render_table(json.loads((out / f"{k}.json").read_text()), doc.parent)
+              for k in WORKLOADS if (out / f"{k}.json").exists()]
+    return "\n\n".join([method, *tables, reading])
+
+
+def estimate_s(w: Workload, args: argparse.Namespace) -> float:
+    """Wall time if each search visits the start rate, twice it and the step between
+    (a knee far below the start costs more: a point lasts num_requests / rate)."""
+    ladder, s = w.ladder(args.quick), w.start
+    path = [ladder[s], ladder[min(s + 2, len(ladder) - 1)], ladder[s + 1]]
+    points = path[:2 if args.quick else args.max_points]
+    per_setup = 25 + sum((args.n - 1) / r + w.tail_s / (4 if args.quick else 1) for r in points)
+    return 20 + len(args.configs) * per_setup
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", choices=[*WORKLOADS, "all"], default="all")
+    ap.add_argument("--quick", action="store_true", help="tiny lengths and sweeps; no doc")
+    ap.add_argument("--out", default="docs/bench/goodput", help="JSON and PNG directory")
+    ap.add_argument("--doc", default=DEFAULT_OUTPUT, help="markdown file of the section")
+    ap.add_argument("--resume", action="store_true", help="reuse saved SLOs and sweeps")
+    ap.add_argument("--configs", default="agg,disagg,auto", help=f"of {','.join(SETUPS)}")
+    ap.add_argument("--num-requests", type=int, help="per rate (default: per workload)")
+    ap.add_argument("--max-points", type=int, default=5, help="rates per configuration")
+    ap.add_argument("--slo-ttft-ms", type=float, help="instead of the measured rule")
+    ap.add_argument("--slo-tpot-ms", type=float, help="instead of the measured rule")
+    args = ap.parse_args()
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in SETUPS]
+    if unknown or not args.configs:
+        ap.error(f"--configs {unknown}: use some of {', '.join(SETUPS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]
+    total = 0.0
+    for w in tables:
+        args.n = args.num_requests or (6 if args.quick else w.num_requests)
+        total += estimate_s(w, args)
+    print(f"goodput study: tables {', '.join(w.key for w in tables)}, configs "
+          f"{', '.join(args.configs)}; estimated ~{total / 60:.0f} min", flush=True)
+    t0 = time.monotonic()
+    for w in tables:
+        args.n = args.num_requests or (6 if args.quick else w.num_requests)
+        _, _, info = lengths(w, args.quick, args.n)
+        print(f"{w.title}: {info.description}; {args.n} requests per rate, input mean "
+              f"{info.mean_input_len:.0f} / max {info.max_input_len}, output mean "
+              f"{info.mean_output_len:.0f}, {info.num_clamped} cut to {MAX_MODEL_LEN}"
+              + (f", {info.block_size} tokens per hash id" if info.block_size else ""),
+              flush=True)
+        table = run_table(w, args, out)
+        (out / f"{w.key}.json").write_text(json.dumps(table, indent=1) + "\n")
+    body = section_body(Path(args.doc), out)
+    if args.quick:
+        (out / "section.md").write_text(body + "\n")
+        print(body + f"\n\n(--quick: not written to {args.doc}; see {out / 'section.md'})")
+    else:
+        write_section(args.doc, SECTION, body, machine=machine_description())
+        print(body + f"\n\nwrote the {SECTION!r} section of {args.doc}")
+    print(f"done in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

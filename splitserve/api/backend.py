@@ -42,3 +42,12 @@ class Backend(Protocol):
     def metrics_text(self) -> bytes:
         """Prometheus exposition text of every splitserve_* metric."""
         ...
+
+    def inject_fault(self, worker_id: str, spec: dict[str, object]) -> dict[str, object]:
+        """Arms a fault on a worker; the armed spec. PermissionError when fault injection
+        is off, KeyError for an unknown worker, InvalidRequestError for a bad spec."""
+        ...
+
+    async def check_pools(self) -> dict[str, dict[str, object]]:
+        """Per live worker: its pool's invariant check and what it holds."""
+        ...

@@ -46,6 +46,12 @@ class ClusterBackend:
     def metrics_text(self) -> bytes:
         return self.dispatcher.metrics_text()
 
+    def inject_fault(self, worker_id: str, spec: dict[str, object]) -> dict[str, object]:
+        return self.dispatcher.inject_fault(worker_id, spec).to_dict()
+
+    async def check_pools(self) -> dict[str, dict[str, object]]:
+        return await self.dispatcher.check_pools()
+
 
 class _Server(uvicorn.Server):
     """uvicorn, minus its signal handling: uvicorn re-raises SIGTERM/SIGINT after its own

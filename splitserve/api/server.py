@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: `build_app(backend)`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`. Request handling is
+`GET /ready`, `GET /metrics`, and the operator routes of admin.py. Request handling is
     body -> GenerateRequest (request_builder) -> backend.generate -> deltas
          -> ResponseBuilder -> one JSON body, or SSE chunks (streaming)
 and every failure is an exception that `errors.api_error` turns into an OpenAI error body.
@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from splitserve.api.admin import add_admin_routes
 from splitserve.api.backend import Backend
 from splitserve.api.errors import GenerationError, install_error_handlers
 from splitserve.api.logprobs import TokenStrings
@@ -45,6 +46,7 @@ def build_app(backend: Backend) -> FastAPI:
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ready", routes.ready, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    add_admin_routes(app, backend)
     return app
 
 

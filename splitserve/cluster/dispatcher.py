@@ -54,6 +54,7 @@ class Dispatcher:
     def __init__(self, router: Router, deadlines: DeadlineConfig, *,
                  max_queue_len: int = 256, kv_failure_policy: str = "recompute",
                  max_retries: int = 2, fault_injection: bool = False,
+                 wait_for_restarts: bool = False,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                  metrics: Metrics | None = None) -> None:
         if kv_failure_policy not in KV_FAILURE_POLICIES:
@@ -64,6 +65,10 @@ class Dispatcher:
         self.max_queue_len = max_queue_len
         self.kv_failure_policy, self.max_retries = kv_failure_policy, max_retries
         self.fault_injection = fault_injection
+        # With no worker to resume on, a retry waits (within its stage deadline) for a
+        # restarted one instead of failing at once; set when workers are restarted.
+        self.wait_for_restarts = wait_for_restarts
+        self.stranded: list[Flight] = []  # retries waiting for a decode worker to register
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
@@ -262,20 +267,37 @@ class Dispatcher:
         self.attempts[aid] = flight
         assert flight.route_req is not None
         flight.route_req = replace(flight.route_req, request_id=aid)
+        flight.stage = Stage.PREFILL  # until the resumed attempt streams a new token
+        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
+        self.metrics.retries.labels(reason).inc()
+        if flight.resumed:
+            self.metrics.migrations.inc()
         decision = self._claim(flight) or self._any_decode_worker(flight)
         if decision is None:
-            return False
+            if not self.wait_for_restarts:
+                return False
+            logger.warning("request %s: attempt %s failed (%s); no decode worker is up, "
+                           "waiting for one", flight.request.request_id, old, reason)
+            self.stranded.append(flight)
+            return True
         logger.warning("request %s: attempt %s failed (%s); retrying as %s on %s%s, resuming "
                        "after %d tokens", flight.request.request_id, old, reason, aid,
                        decision.decode_worker, f" via {decision.prefill_worker}"
                        if decision.prefill_worker else "", len(flight.resumed))
-        self.metrics.retries.labels(reason).inc()
-        if flight.resumed:
-            self.metrics.migrations.inc()
-        flight.stage = Stage.PREFILL  # until the resumed attempt streams a new token
-        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
         self._dispatch(flight, decision)
         return True
+
+    def _place_stranded(self) -> None:
+        """A worker registered: retries waiting for one go on."""
+        stranded, self.stranded = self.stranded, []
+        for flight in stranded:
+            if flight.is_over or self.attempts.get(flight.attempt_id) is not flight:
+                continue
+            decision = self._claim(flight) or self._any_decode_worker(flight)
+            if decision is None:
+                self.stranded.append(flight)
+            else:
+                self._dispatch(flight, decision)
 
     def _any_decode_worker(self, flight: Flight) -> RouteDecision | None:
         """A retry does not queue behind new arrivals: when the router finds no placement
@@ -293,6 +315,8 @@ class Dispatcher:
     def _release(self, flight: Flight) -> None:
         """Drops the current attempt everywhere: aborts it on workers still running it."""
         aid = flight.attempt_id
+        if flight in self.stranded:
+            self.stranded.remove(flight)
         self.router.on_finished(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))
@@ -399,6 +423,7 @@ class Dispatcher:
                     msg.num_blocks)
         self._registered.set()
         self._recover_all(orphans, f"worker {msg.worker_id} was replaced by a new incarnation")
+        self._place_stranded()
         self._admit_queued()
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
@@ -566,6 +591,7 @@ class Dispatcher:
 
     def health(self) -> dict[str, object]:
         return {"workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy,
+                             "incarnation": w.identity.decode(errors="replace"),
                              "pid": w.ready.pid, "requests": len(w.request_ids)}
                             for w in self.table.workers.values()],
                 "in_flight": len(self.flights), "queued": len(self.admission)}

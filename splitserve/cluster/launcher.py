@@ -65,7 +65,7 @@ class Cluster:
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
             kv_failure_policy=cfg.kv_failure_policy, max_retries=cfg.max_retries,
-            fault_injection=cfg.enable_fault_injection,
+            fault_injection=cfg.enable_fault_injection, wait_for_restarts=cfg.restart_workers,
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None)
         dispatcher.start()

@@ -282,3 +282,16 @@ def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:
     t.join(120)
     assert got == ["40"], "the in-flight request finished"
     assert server.stop() == 0, server.log()
+
+
+def test_fault_injection_is_refused_unless_enabled(disagg: Any) -> None:
+    req = urllib.request.Request(disagg.url + "/admin/faults", method="POST",
+                                 data=json.dumps({"worker": "decode-0", "kind": "kill"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 403
+    assert "--enable-fault-injection" in json.loads(err.value.read())["error"]["message"]
+    assert len(disagg.get_json("/health")["workers"]) == 2  # nothing was killed
+    pools = disagg.get_json("/admin/pools")["workers"]
+    assert sorted(pools) == ["decode-0", "prefill-0"] and all(p["ok"] for p in pools.values())

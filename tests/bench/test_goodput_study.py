@@ -1,0 +1,134 @@
+"""The goodput study's pure logic (bench/goodput_study.py): the rate search, the SLO rule,
+the table's texts, the checkpoint round trip and the hand-written parts of its section."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import goodput_study as study  # noqa: E402
+from splitserve.bench import (SLO, BenchConfig, BenchReport, RequestRecord,  # noqa: E402
+                              SweepReport, compute_metrics, write_json)
+from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402
+from splitserve.bench.client import ServerInfo  # noqa: E402
+from splitserve.bench.workload import WorkloadInfo  # noqa: E402
+
+
+def search(knee: int, start: int, size: int, max_points: int = 99) -> dict[int, float]:
+    """Runs next_index against a system that meets the target below ladder index `knee`."""
+    results: dict[int, float] = {}
+    while len(results) < max_points:
+        i = study.next_index(results, start, size)
+        if i is None:
+            break
+        results[i] = 1.0 if i < knee else 0.5
+    return results
+
+
+def test_next_index_doubles_up_then_bisects() -> None:
+    assert study.next_index({}, 3, 8) == 3
+    assert study.next_index({3: 0.95}, 3, 8) == 5
+    assert study.next_index({3: 0.95, 5: 0.95}, 3, 8) == 7
+    assert study.next_index({3: 0.95, 5: 0.5}, 3, 8) == 4
+    assert study.next_index({3: 0.95, 5: 0.5, 4: 0.9}, 3, 8) is None  # 0.9 meets the target
+
+
+def test_next_index_halves_down_and_stops_at_the_ends() -> None:
+    assert study.next_index({3: 0.5}, 3, 8) == 1
+    assert study.next_index({3: 0.5, 1: 0.5}, 3, 8) == 0
+    assert study.next_index({3: 0.5, 1: 0.5, 0: 0.5}, 3, 8) is None
+    assert study.next_index({6: 1.0}, 6, 8) == 7
+    assert study.next_index({6: 1.0, 7: 1.0}, 6, 8) is None
+
+
+def test_next_index_brackets_below_the_lowest_miss() -> None:
+    # A noisy pass above a miss is ignored: the bracket ends at the lowest miss.
+    assert study.next_index({1: 1.0, 3: 0.5, 5: 1.0}, 1, 8) == 2
+
+
+@pytest.mark.parametrize("knee", range(0, 9))
+def test_search_finds_every_knee_to_one_step(knee: int) -> None:
+    results = search(knee, start=3, size=8)
+    passed = [i for i, a in results.items() if a >= study.TARGET]
+    assert max(passed, default=None) == (min(knee, 8) - 1 if knee > 0 else None)
+    if 0 < knee < 8:
+        assert knee in results  # the first miss was run, so the bracket is one step
+    assert len(results) <= 5
+
+
+def test_ladders_start_where_every_configuration_starts() -> None:
+    a = study.WORKLOADS["a"]
+    ladder = a.ladder(quick=False)
+    assert len(ladder) == a.steps and ladder[0] == a.low
+    assert ladder[2] == pytest.approx(2 * a.low)
+    assert a.ladder(quick=True)[0] == 2 * a.low
+    assert a.config(quick=True).length_scale == 0.25
+    assert study.WORKLOADS["c"].config(quick=True).length_scale == pytest.approx(1 / 64)
+    assert a.config(quick=False).input_len.mean == 1536
+
+
+def test_derive_slo_is_factor_times_unloaded_in_whole_ms() -> None:
+    assert study.derive_slo(4.1053, 0.0581, 3.0, 1.5) == SLO(ttft_ms=12316, tpot_ms=87)
+
+
+def row(max_rate: float | None, first_miss: float | None, points: list[list[float]]) -> dict:
+    return {"max_rate": max_rate, "first_miss": first_miss, "points": points}
+
+
+def test_rate_and_ratio_texts() -> None:
+    agg = row(0.1, 0.14, [[0.1, 0.95], [0.14, 0.5]])
+    disagg = row(0.25, 0.35, [[0.18, 1.0], [0.25, 0.9], [0.35, 0.6]])
+    assert study._rate_text(agg) == "0.1 (misses at 0.14)"
+    assert study.ratio_text(disagg, agg) == "2.50x"
+    assert study.ratio_text(agg, agg) == "1"
+    none = row(None, 0.18, [[0.18, 0.5]])
+    assert study._rate_text(none) == "< 0.18"
+    assert study.ratio_text(disagg, none) == "> 1.39x"
+    assert study.ratio_text(none, agg) == "< 1.80x"
+    top = row(0.5, None, [[0.25, 1.0], [0.5, 1.0]])
+    assert study._rate_text(top) == ">= 0.5 (no miss)"
+    assert study.ratio_text(top, agg) == ">= 5.00x"
+    assert study.ratio_text(agg, top) == "<= 0.20x"
+
+
+def report(rate: float, ttfts: list[float]) -> BenchReport:
+    slo = SLO(ttft_ms=500, tpot_ms=50)
+    config = BenchConfig(rate=rate, slo=slo, label="agg", run_index=10)
+    records = []
+    for i, ttft in enumerate(ttfts):
+        records.append(RequestRecord(i, 100, 3, i / rate, send_s=i / rate,
+                                     chunk_s=[i / rate + ttft + k * 0.04 for k in range(3)],
+                                     end_s=i / rate + ttft + 0.1, output_tokens=3))
+    info = WorkloadInfo("synthetic", "x", len(records), 1.0, 4096, 0, 100, 100, 3, 3, 0.0)
+    duration = max(r.end_s or 0.0 for r in records)
+    return BenchReport(config, ServerInfo("http://x", "m", ["m"], 4096), info,
+                       ArrivalInfo("poisson", rate, 1.0, None, None, rate, 1.0),
+                       compute_metrics(records, duration, slo), None, records)
+
+
+def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    sweep = SweepReport("agg", [report(1.0, [0.1] * 10), report(2.0, [0.1] * 8 + [0.9] * 2)])
+    write_json(sweep, tmp_path / "a_agg.json")
+    back = study.load_sweep(tmp_path / "a_agg.json")
+    assert back.label == "agg" and back.rates == [1.0, 2.0]
+    assert [r.metrics.slo_attainment for r in back.runs] == [1.0, 0.8]
+    assert back.max_rate_meeting(0.9) == sweep.max_rate_meeting(0.9) == 1.0
+    assert back.runs[1].records[9].ttft_s == pytest.approx(0.9)
+    assert study.cdf_rate([sweep, back]) == 2.0  # no spread: the highest common rate
+
+
+def test_hand_written_parts_survive_and_default(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Goodput study\n\nMeasured x.\n\n"
+                   "### Method (hand-written)\n\nM1\n\n### (a) generated\n\n| t |\n\n"
+                   "### Reading (hand-written)\n\nR1\nR2\n\n## Other\n\nkeep\n")
+    method, reading = study.hand_written(doc)
+    assert method == "### Method (hand-written)\n\nM1"
+    assert reading == "### Reading (hand-written)\n\nR1\nR2"
+    method, reading = study.hand_written(tmp_path / "missing.md")
+    assert method.startswith("### Method (hand-written)")
+    assert reading.startswith(study.READING)
