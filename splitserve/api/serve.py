@@ -47,10 +47,10 @@ class ClusterBackend:
         return self.dispatcher.metrics_text()
 
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> dict[str, object]:
-        return self.dispatcher.inject_fault(worker_id, spec).to_dict()
+        return self.dispatcher.admin.inject_fault(worker_id, spec).to_dict()
 
     async def check_pools(self) -> dict[str, dict[str, object]]:
-        return await self.dispatcher.check_pools()
+        return await self.dispatcher.admin.check_pools()
 
 
 class _Server(uvicorn.Server):

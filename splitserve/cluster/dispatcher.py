@@ -31,17 +31,16 @@ from dataclasses import replace
 from splitserve.cluster import protocol as P
 from splitserve.cluster.admission import AdmissionQueue
 from splitserve.cluster.metrics import Metrics
-from splitserve.cluster.faults import FaultSpec
+from splitserve.cluster.admin import ClusterAdmin
 from splitserve.cluster.flight import Flight, Stage
-from splitserve.cluster.placement import RouteReason
-from splitserve.cluster.recovery import KV_FAILURE_POLICIES, is_transfer_failure
+from splitserve.cluster.recovery import KV_FAILURE_POLICIES, Recovery, is_transfer_failure
 from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
 from splitserve.cluster.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.worker_link import WorkerLink
 from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
-                               RequestTimeout, SplitserveError, WorkerFailed)
+                               RequestTimeout, WorkerFailed)
 from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
@@ -63,24 +62,21 @@ class Dispatcher:
         self.router = router
         self.deadlines = deadlines
         self.max_queue_len = max_queue_len
-        self.kv_failure_policy, self.max_retries = kv_failure_policy, max_retries
-        self.fault_injection = fault_injection
-        # With no worker to resume on, a retry waits (within its stage deadline) for a
-        # restarted one instead of failing at once; set when workers are restarted.
-        self.wait_for_restarts = wait_for_restarts
-        self.stranded: list[Flight] = []  # retries waiting for a decode worker to register
+        self.kv_failure_policy = kv_failure_policy
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.table = WorkerTable()
         self.flights: dict[str, Flight] = {}  # by request id
         self.attempts: dict[str, Flight] = {}  # by the current attempt's id (what workers use)
-        self._fenced: set[bytes] = set()  # removed incarnations already told to exit
-        self._pool_reports: dict[bytes, asyncio.Future[P.PoolReport]] = {}
+        self.recovery = Recovery(self, max_retries=max_retries,
+                                 wait_for_restarts=wait_for_restarts)
         self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
         self.max_model_len = 0
         self.block_size = 16
         self.link = WorkerLink()
         self.address = self.link.address
+        self.admin = ClusterAdmin(self.table, self.link, self.metrics,
+                                  fault_injection=fault_injection)
         self._registered = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._roots: dict[str | None, bytes] = {}
@@ -170,7 +166,7 @@ class Dispatcher:
             num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.params.max_tokens,
             tenant=req.tenant)
         # Strict FIFO: while others wait, a newcomer queues behind them.
-        decision = None if len(self.admission) else self._claim(flight)
+        decision = None if len(self.admission) else self.claim(flight)
         if decision is None:
             if not self.admission.offer(flight, time.monotonic()):
                 self.metrics.admission_rejections.labels("429").inc()
@@ -186,9 +182,9 @@ class Dispatcher:
         self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
         flight.stage = Stage.PREFILL
         flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
-        self._dispatch(flight, decision)
+        self.dispatch(flight, decision)
 
-    def _claim(self, flight: Flight) -> RouteDecision | None:
+    def claim(self, flight: Flight) -> RouteDecision | None:
         """Routes the request and, when placed, books it on its workers at once, so the
         next decision (of a burst, or of the queue) sees that load."""
         assert flight.route_req is not None
@@ -210,11 +206,11 @@ class Dispatcher:
         """Capacity may have freed up: place queued requests, oldest first."""
         if not len(self.admission):
             return
-        for flight, decision in self.admission.pop_ready(self._claim, time.monotonic()):
+        for flight, decision in self.admission.pop_ready(self.claim, time.monotonic()):
             if flight.admitted is not None and not flight.admitted.done():
                 flight.admitted.set_result(decision)
 
-    def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
+    def dispatch(self, flight: Flight, decision: RouteDecision) -> None:
         req, aid = flight.request, flight.attempt_id
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
@@ -235,7 +231,7 @@ class Dispatcher:
             return
         prefill = self.table.get(flight.prefill_worker)
         if prefill is None or not prefill.healthy:
-            self._recover(flight, WorkerFailed("the prefill worker left before the KV plan"),
+            self.recovery.recover(flight, WorkerFailed("the prefill worker left before the KV plan"),
                           "worker_dead")
             return
         req = flight.request
@@ -245,78 +241,11 @@ class Dispatcher:
                                                req.params, req.namespace, msg.plan,
                                                flight.resumed))
 
-    # -- failures: retry, resume or fail ----------------------------------------------------------
-    def _recover(self, flight: Flight, error: SplitserveError, reason: str, *,
-                 retryable: bool = True) -> None:
-        """The current attempt failed: start another on other workers, resuming from the
-        tokens merged so far, while the retry budget and the request deadline allow;
-        otherwise the client gets `error`."""
-        if flight.is_over:
-            return
-        if (retryable and flight.attempt < self.max_retries and flight.stage is not Stage.QUEUED
-                and time.monotonic() < flight.deadline and self._retry(flight, reason)):
-            return
-        flight.failed = True
-        flight.queue.put_nowait(error)
-
-    def _retry(self, flight: Flight, reason: str) -> bool:
-        old = flight.attempt_id
-        self._release(flight)
-        self.attempts.pop(old, None)
-        aid = flight.next_attempt()
-        self.attempts[aid] = flight
-        assert flight.route_req is not None
-        flight.route_req = replace(flight.route_req, request_id=aid)
-        flight.stage = Stage.PREFILL  # until the resumed attempt streams a new token
-        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
-        self.metrics.retries.labels(reason).inc()
-        if flight.resumed:
-            self.metrics.migrations.inc()
-        decision = self._claim(flight) or self._any_decode_worker(flight)
-        if decision is None:
-            if not self.wait_for_restarts:
-                return False
-            logger.warning("request %s: attempt %s failed (%s); no decode worker is up, "
-                           "waiting for one", flight.request.request_id, old, reason)
-            self.stranded.append(flight)
-            return True
-        logger.warning("request %s: attempt %s failed (%s); retrying as %s on %s%s, resuming "
-                       "after %d tokens", flight.request.request_id, old, reason, aid,
-                       decision.decode_worker, f" via {decision.prefill_worker}"
-                       if decision.prefill_worker else "", len(flight.resumed))
-        self._dispatch(flight, decision)
-        return True
-
-    def _place_stranded(self) -> None:
-        """A worker registered: retries waiting for one go on."""
-        stranded, self.stranded = self.stranded, []
-        for flight in stranded:
-            if flight.is_over or self.attempts.get(flight.attempt_id) is not flight:
-                continue
-            decision = self._claim(flight) or self._any_decode_worker(flight)
-            if decision is None:
-                self.stranded.append(flight)
-            else:
-                self._dispatch(flight, decision)
-
-    def _any_decode_worker(self, flight: Flight) -> RouteDecision | None:
-        """A retry does not queue behind new arrivals: when the router finds no placement
-        within budget, the least busy decode-capable worker prefills and decodes."""
-        workers = self.table.healthy(("decode", "both"))
-        if not workers:
-            return None
-        worker = min(workers, key=lambda w: len(w.request_ids))
-        decision = RouteDecision(worker.worker_id, None, RouteReason.FORCED_LOCAL, 0.0, 0)
-        assert flight.route_req is not None
-        self.router.on_dispatched(decision, flight.route_req)
-        flight.decision = decision
-        return decision
-
-    def _release(self, flight: Flight) -> None:
+    def release(self, flight: Flight) -> None:
         """Drops the current attempt everywhere: aborts it on workers still running it."""
         aid = flight.attempt_id
-        if flight in self.stranded:
-            self.stranded.remove(flight)
+        if flight in self.recovery.stranded:
+            self.recovery.stranded.remove(flight)
         self.router.on_finished(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))
@@ -338,7 +267,7 @@ class Dispatcher:
     def _retire(self, flight: Flight, outcome: str) -> None:
         self.flights.pop(flight.request.request_id, None)
         self.attempts.pop(flight.attempt_id, None)
-        self._release(flight)
+        self.release(flight)
         self.metrics.observe_finished(flight, outcome, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
         self._admit_queued()
@@ -359,7 +288,7 @@ class Dispatcher:
             return
         worker = self.table.get(identity)
         if worker is None:
-            self._fence(identity)
+            self.recovery.fence(identity)
             return
         worker.last_seen = time.monotonic()
         if isinstance(msg, P.Output):
@@ -381,22 +310,9 @@ class Dispatcher:
                     and self.kv_failure_policy == "recompute"):
                 self.metrics.reprefills.inc()
         elif isinstance(msg, P.PoolReport):
-            future = self._pool_reports.get(identity)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            self.admin.on_pool_report(identity, msg)
         else:
             raise ProtocolError(f"workers do not send {type(msg).__name__}")
-
-    def _fence(self, identity: bytes) -> None:
-        """A message from an incarnation that was removed (it went silent, then woke up) or
-        replaced: refused; the first time, the worker is told to exit, so its supervisor
-        starts a fresh incarnation instead of a split brain."""
-        self.metrics.fenced_messages.inc()
-        if identity not in self._fenced:
-            self._fenced.add(identity)
-            logger.warning("refusing messages from %r, a removed or replaced worker "
-                           "incarnation; telling it to exit", identity)
-            self.link.send(identity, P.Shutdown())
 
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
         old = self.table.by_id.get(msg.worker_id)
@@ -404,7 +320,7 @@ class Dispatcher:
         if old is not None and old.identity != identity:
             # A restarted worker: its previous incarnation is gone, with its cache; its
             # requests resume once the new one is registered (they may go to it).
-            orphans = self._remove(old.identity, "was replaced by a new incarnation")
+            orphans = self.recovery.remove_worker(old.identity, "was replaced by a new incarnation")
         self.table.register(identity, msg)
         self.block_size = msg.block_size
         cfg = self.router.config
@@ -422,8 +338,8 @@ class Dispatcher:
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
-        self._recover_all(orphans, f"worker {msg.worker_id} was replaced by a new incarnation")
-        self._place_stranded()
+        self.recovery.recover_all(orphans, f"worker {msg.worker_id} was replaced by a new incarnation")
+        self.recovery.place_stranded()
         self._admit_queued()
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
@@ -439,37 +355,16 @@ class Dispatcher:
                 self.metrics.queue_time.labels("kv").observe(time.monotonic()
                                                              - flight.first_token_at)
         if not flight.cache_checked:
-            self._check_routed_hit(flight, worker, msg.num_cached_tokens)
+            self.recovery.check_routed_hit(flight, worker, msg.num_cached_tokens)
         try:
             delta = flight.merger.merge(msg)
         except ValueError as exc:  # a worker broke the positions contract: never guess
-            self._recover(flight, WorkerFailed(f"{worker.worker_id}: {exc}"), "bad_output",
+            self.recovery.recover(flight, WorkerFailed(f"{worker.worker_id}: {exc}"), "bad_output",
                           retryable=False)
             return
         if delta is not None:
             self._on_delta(flight, delta)
             flight.queue.put_nowait(delta)
-
-    def _check_routed_hit(self, flight: Flight, worker: WorkerInfo, num_cached: int) -> None:
-        """The router expected the worker that prefills to have part of the prompt cached;
-        if it had less, the index is stale for that worker (DESIGN 7): drop the entries it
-        relied on and ask the worker for a snapshot to reconcile."""
-        decision = flight.decision
-        prefiller = flight.prefill_worker or (
-            None if decision is None else self.table.by_id.get(decision.decode_worker, worker)
-            .identity)
-        if decision is None or worker.identity != prefiller:
-            return
-        flight.cache_checked = True
-        bs, n = self.block_size, len(flight.request.prompt_token_ids)
-        expected = min(decision.num_cached_tokens, (n - 1) // bs * bs)
-        if num_cached >= expected:
-            return
-        assert flight.route_req is not None
-        self.metrics.stale_routes.inc()
-        self.router.invalidate(worker.worker_id,
-                               flight.route_req.block_hashes[num_cached // bs:expected // bs])
-        self.link.send(worker.identity, P.ResyncKV())
 
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
         self.metrics.failures.labels(msg.kind).inc()
@@ -478,12 +373,12 @@ class Dispatcher:
             return
         flight.done_workers.add(worker.identity)
         if msg.kind == "InvalidRequestError":
-            self._recover(flight, InvalidRequestError(msg.message, field=msg.field), "invalid",
+            self.recovery.recover(flight, InvalidRequestError(msg.message, field=msg.field), "invalid",
                           retryable=False)
             return
         transfer = is_transfer_failure(msg.kind)
         policy = f" (--kv-failure-policy {self.kv_failure_policy})" if transfer else ""
-        self._recover(flight, WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}"
+        self.recovery.recover(flight, WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}"
                                            f"{policy}"),
                       "kv_transfer" if transfer else "worker_error",
                       retryable=not transfer or self.kv_failure_policy == "retry")
@@ -517,7 +412,7 @@ class Dispatcher:
                     assert flight.admitted is not None
                     flight.admitted.set_exception(error)
                 else:  # a stalled stage is retried elsewhere; the request deadline is final
-                    self._recover(flight, error, f"timeout_{error.stage}",
+                    self.recovery.recover(flight, error, f"timeout_{error.stage}",
                                   retryable=error.stage != "request")
             for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
                 self.mark_dead(worker.identity, "missed its heartbeat deadline")
@@ -527,61 +422,8 @@ class Dispatcher:
         retried elsewhere (resuming its stream) or fails with WorkerFailed."""
         worker = self.table.get(identity)
         if worker is not None and worker.healthy:
-            self._recover_all(self._remove(identity, why), f"worker {worker.worker_id} {why}")
-
-    def _remove(self, identity: bytes, why: str) -> list[str]:
-        """Forgets a worker; the attempt ids it was running and had not finished."""
-        worker = self.table.remove(identity)
-        if worker is None:
-            return []
-        logger.error("worker %s %s; removing it", worker.worker_id, why)
-        worker.healthy = False
-        self.router.remove_worker(worker.worker_id)
-        self.metrics.failures.labels("worker_dead").inc()
-        self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
-        return [aid for aid in worker.request_ids if aid in self.attempts
-                and identity not in self.attempts[aid].done_workers]
-
-    def _recover_all(self, attempt_ids: list[str], why: str) -> None:
-        for aid in attempt_ids:
-            flight = self.attempts.get(aid)
-            if flight is not None:
-                self._recover(flight, WorkerFailed(why), "worker_dead")
-
-    # -- admin: fault injection and pool checks -------------------------------------------------
-    def inject_fault(self, worker_id: str, spec: dict[str, object]) -> FaultSpec:
-        """Arms a fault on a worker (cluster/faults.py); refused unless enabled."""
-        if not self.fault_injection:
-            raise PermissionError("fault injection is disabled; start the server with "
-                                  "--enable-fault-injection")
-        fault = FaultSpec.from_dict(dict(spec))
-        worker = self.table.by_id.get(worker_id)
-        if worker is None:
-            raise KeyError(f"no worker {worker_id!r}; workers: {sorted(self.table.by_id)}")
-        self.link.send(worker.identity, P.InjectFault(fault.to_dict()))
-        self.metrics.faults_injected.labels(fault.kind).inc()
-        return fault
-
-    async def check_pools(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
-        """Every live worker checks its KV pool's invariants; what each answered."""
-        loop = asyncio.get_running_loop()
-        asked = {w.identity: w.worker_id for w in self.table.workers.values() if w.healthy}
-        futures = {identity: loop.create_future() for identity in asked}
-        self._pool_reports.update(futures)
-        for identity in asked:
-            self.link.send(identity, P.CheckPool())
-        await asyncio.wait(list(futures.values()), timeout=timeout_s)
-        out: dict[str, dict[str, object]] = {}
-        for identity, future in futures.items():
-            self._pool_reports.pop(identity, None)
-            if future.done():
-                r = future.result()
-                out[asked[identity]] = {"ok": r.ok, "error": r.error,
-                                        "used_blocks": r.num_used_blocks,
-                                        "requests": r.num_requests}
-            else:
-                out[asked[identity]] = {"ok": False, "error": f"no answer within {timeout_s} s"}
-        return out
+            orphans = self.recovery.remove_worker(identity, why)
+            self.recovery.recover_all(orphans, f"worker {worker.worker_id} {why}")
 
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:

@@ -128,11 +128,11 @@ def test_fault_injection_is_refused_unless_enabled() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (w,) = await workers(d, ctx, "both")
         with pytest.raises(PermissionError):
-            d.inject_fault("both-0", {"kind": "kill"})
-        d.fault_injection = True
+            d.admin.inject_fault("both-0", {"kind": "kill"})
+        d.admin.enabled = True
         with pytest.raises(KeyError):
-            d.inject_fault("nobody", {"kind": "kill"})
-        d.inject_fault("both-0", {"kind": "kill", "point": "decode", "after": 2})
+            d.admin.inject_fault("nobody", {"kind": "kill"})
+        d.admin.inject_fault("both-0", {"kind": "kill", "point": "decode", "after": 2})
         msg = await w.expect(P.InjectFault)
         assert msg.spec["point"] == "decode" and msg.spec["after"] == 2
     run(scenario)
