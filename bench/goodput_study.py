@@ -84,7 +84,7 @@ class Workload:
 
     def ladder(self, quick: bool) -> list[float]:
         low = self.low * (2 if quick else 1)  # quick lengths are 4x shorter
-        return [round(low * math.sqrt(2) ** i, 4) for i in range(self.steps)]
+        return [float(f"{low * math.sqrt(2) ** i:.3g}") for i in range(self.steps)]
 
     def config(self, quick: bool, **extra: Any) -> BenchConfig:
         fields = dict(self.bench)
@@ -190,7 +190,7 @@ def sweep(url: str, name: str, w: Workload, slo: SLO, args: argparse.Namespace) 
     run_bench(w.config(args.quick, base_url=url, num_requests=2, rate=math.inf,
                        output_len=LengthDist("fixed", 4), run_index=1, label="warmup"))
     ladder, results, runs = w.ladder(args.quick), dict[int, float](), list[BenchReport]()
-    while len(runs) < (2 if args.quick else args.max_points):
+    while len(runs) < args.max_points:
         i = next_index(results, w.start, len(ladder))
         if i is None:
             break
@@ -264,6 +264,7 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
     for metric in ("ttft", "tpot"):
         plot_cdf(at, metric, out / f"{w.key}_{metric}_cdf.png")
     return {"key": w.key, "title": w.title, "workload": dataclasses.asdict(first.workload),
+            "arrivals": dataclasses.asdict(first.arrivals),
             "num_requests": args.n, "calibration": calib, "rows": rows, "cdf_rate": rate,
             "quick": args.quick, "command": command_line(), "date": now_utc(),
             "machine": machine_markdown(machine_description()), "out": str(out)}
@@ -327,6 +328,15 @@ def ratio_text(row: dict[str, Any], base: dict[str, Any] | None) -> str:
     return (">= " if lower else "<= " if upper else "") + f"{r / b:.2f}x"
 
 
+def _arrival_text(t: dict[str, Any]) -> str:
+    a = t["arrivals"]
+    if a["kind"] != "trace":
+        return f"Arrivals: {a['kind']}, open loop."
+    return (f"Arrivals: the trace's timestamps, jittered U[0, {a['jitter_s']:g} s), rescaled "
+            f"to each rate (unscaled, these {t['num_requests']} requests arrive at "
+            f"{a['time_scale'] * a['rate']:.3g} req/s).")
+
+
 def render_table(t: dict[str, Any], doc_dir: Path) -> str:
     """One workload's subsection: what was sent, the SLO and where it came from, the table."""
     w, c, slo = t["workload"], t["calibration"], t["calibration"]["slo"]
@@ -348,7 +358,7 @@ def render_table(t: dict[str, Any], doc_dir: Path) -> str:
         f"{w['mean_output_len']:.0f}" + (f", {w['num_clamped']} cut to the context"
                                          if w["num_clamped"] else "")
         + (f"; {w['block_size']} tokens per hash id" if w["block_size"] else "")
-        + f"; reusable prompt prefix {w['prefix_reuse_ratio']:.1%}.", "",
+        + f"; reusable prompt prefix {w['prefix_reuse_ratio']:.1%}. {_arrival_text(t)}", "",
         f"SLO: TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms ({origin}).", "",
         markdown_table(["config", "layout", f"max rate at {TARGET:.0%} (req/s)", "vs agg",
                         "attainment by rate (req/s: share)", "failed", "other CPU (cores)"],
@@ -380,13 +390,13 @@ def section_body(doc: Path, out: Path) -> str:
 
 
 def estimate_s(w: Workload, args: argparse.Namespace) -> float:
-    """Wall time if each search visits the start rate, twice it and the step between
-    (a knee far below the start costs more: a point lasts num_requests / rate)."""
-    ladder, s = w.ladder(args.quick), w.start
-    path = [ladder[s], ladder[min(s + 2, len(ladder) - 1)], ladder[s + 1]]
-    points = path[:2 if args.quick else args.max_points]
-    per_setup = 25 + sum((args.n - 1) / r + w.tail_s / (4 if args.quick else 1) for r in points)
-    return 20 + len(args.configs) * per_setup
+    """Wall time if one configuration's search goes down (start, 1/2, 1/1.41) and the
+    others' up (start, 2x, 1.41x); a point lasts about num_requests / rate, so every knee
+    further below the start adds more."""
+    ladder, s, top = w.ladder(args.quick), w.start, len(w.ladder(args.quick)) - 1
+    cost = [25 + sum((args.n - 1) / ladder[i] + w.tail_s for i in path[:args.max_points])
+            for path in ([s, min(s + 2, top), s + 1], [s, max(s - 2, 0), max(s - 1, 0)])]
+    return 20 + (len(args.configs) - 1) * cost[0] + cost[1]
 
 
 def main() -> int:
@@ -409,12 +419,15 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]
+    if args.quick:
+        args.max_points = 2
     total = 0.0
     for w in tables:
         args.n = args.num_requests or (6 if args.quick else w.num_requests)
         total += estimate_s(w, args)
     print(f"goodput study: tables {', '.join(w.key for w in tables)}, configs "
-          f"{', '.join(args.configs)}; estimated ~{total / 60:.0f} min", flush=True)
+          f"{', '.join(args.configs)}; estimated ~{total / 60:.0f} min (longer if knees sit "
+          "far below the start rates: a point lasts about requests / rate)", flush=True)
     t0 = time.monotonic()
     for w in tables:
         args.n = args.num_requests or (6 if args.quick else w.num_requests)

@@ -59,6 +59,13 @@ class Flight:
     def is_over(self) -> bool:
         return self.failed or self.merger.finished
 
+    def needs(self, identity: bytes) -> bool:
+        """Whether the current attempt still depends on that worker: not once it said
+        it finished, nor a prefill worker once the decode worker committed its KV."""
+        if identity in self.done_workers:
+            return False
+        return not (identity == self.prefill_worker and self.decode_output_seen)
+
     def next_attempt(self) -> str:
         """Forgets the current attempt's workers; returns the new attempt's id."""
         self.attempt += 1

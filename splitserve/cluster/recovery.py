@@ -181,8 +181,8 @@ class Recovery:
         d.router.remove_worker(worker.worker_id)
         d.metrics.failures.labels("worker_dead").inc()
         d.metrics.count_workers([(w.role, w.healthy) for w in d.table.workers.values()])
-        return [aid for aid in worker.request_ids if aid in d.attempts
-                and identity not in d.attempts[aid].done_workers]
+        return [aid for aid in worker.request_ids
+                if aid in d.attempts and d.attempts[aid].needs(identity)]
 
     def recover_all(self, attempt_ids: list[str], why: str) -> None:
         d = self.d

@@ -136,3 +136,21 @@ def test_fault_injection_is_refused_unless_enabled() -> None:
         msg = await w.expect(P.InjectFault)
         assert msg.spec["point"] == "decode" and msg.spec["after"] == 2
     run(scenario)
+
+
+def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await dec.expect(P.Generate)
+        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
+        await p.expect(P.Prefill)
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D committed the KV
+        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        await dec.send(output("r1", 2, [7], 2, "z", finished=True))
+        assert [x.token_ids for x in await task] == [[5], [6], [7]]
+        assert b"splitserve_retries_total" not in d.metrics_text().replace(
+            b"# HELP splitserve_retries_total", b"").replace(
+            b"# TYPE splitserve_retries_total", b"")
+    run(scenario, policy="always")
