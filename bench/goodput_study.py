@@ -7,9 +7,10 @@ disaggregated (`auto`) serving on the same 2 cores, on three workloads.
     python bench/goodput_study.py --table all --quick --out /tmp/gp   # ~6 min check
 
 One server at a time (started, warmed up, swept, stopped with SIGTERM). Per workload the
-SLOs come from unloaded latencies measured on `agg` first (rule in `derive_slo`); each
-configuration's rate search is in `next_index`. Each finished sweep is saved to JSON at
-once, so `--resume` skips it. The method text of the docs section is `METHOD` below.
+SLOs come from unloaded latencies measured on `agg` first (`derive_slo`); each
+configuration's rate search is `next_index`. Each finished sweep is saved to JSON at once,
+so `--resume` skips it. The docs section's method and reading are hand-written and kept
+(`hand_written`); the script writes the tables between them.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
 
 TARGET = 0.9  # SLO attainment that defines goodput (DistServe)
 SECTION = "Goodput study"
-READING = "### Reading (hand-written)"
+METHOD, READING = "### Method (hand-written)", "### Reading (hand-written)"
 MAX_MODEL_LEN = 4096  # the server's default context; the Mooncake replay is cut to it
 
 
@@ -233,7 +234,7 @@ def load_sweep(path: Path) -> SweepReport:
     return SweepReport(data["label"], runs, data["command"], data["date"], data["machine"])
 
 
-def cdf_rate(sweeps: Sequence[SweepReport]) -> float:
+def cdf_rate(sweeps: list[SweepReport]) -> float:
     """The rate every configuration ran at where their attainments differ most (the
     highest such rate on ties): where the CDFs show why they differ."""
     common = set.intersection(*(set(s.rates) for s in sweeps))
@@ -282,8 +283,9 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
     override = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     if calib is None and override.ttft_ms and override.tpot_ms:
         calib = {"override": True, "slo": dataclasses.asdict(override), "settings": settings}
-    paths = {name: out / f"{w.key}_{name}.json" for name in args.configs}
-    sweeps = {n: load_sweep(p) for n, p in paths.items() if calib and args.resume and p.exists()}
+    paths = {name: out / f"{w.key}_{name}.json" for name in SETUPS}
+    done = calib.get("other_cpu_cores", {}) if calib else {}  # swept under this SLO
+    sweeps = {n: load_sweep(paths[n]) for n in done if paths[n].exists()}
     todo = sorted((n for n in args.configs if n not in sweeps), key=lambda n: n != "agg")
     if calib is None and "agg" not in todo:  # the SLO is always measured on agg
         with serving(SETUPS["agg"], None) as url:
@@ -298,7 +300,7 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
         slo_path.write_text(json.dumps(calib, indent=1) + "\n")
         write_json(sweeps[name], paths[name])
     assert calib is not None
-    return summarize(w, {n: sweeps[n] for n in args.configs}, calib, args, out)
+    return summarize(w, {n: sweeps[n] for n in SETUPS if n in sweeps}, calib, args, out)
 
 
 # -- docs/benchmarks.md ---------------------------------------------------------------------
@@ -369,17 +371,16 @@ def render_table(t: dict[str, Any], doc_dir: Path) -> str:
 
 
 def hand_written(doc: Path) -> tuple[str, str]:
-    """The section's `### Method (hand-written)` and `### Reading (hand-written)` parts,
-    each up to the next `### ` heading, which the script keeps as they are."""
+    """The section's parts the script keeps as they are: `### Method (hand-written)` up to
+    the first table (`### (`) or the reading, and `### Reading (hand-written)` up to the
+    section's end."""
     text = doc.read_text() if doc.exists() else ""
     body = next((b for title, b in _split_sections(text)[1] if title == SECTION), "")
-    parts = []
-    for heading in ("### Method (hand-written)", READING):
-        start = body.find(heading)
-        end = body.find("\n### ", start + 1) if start >= 0 else -1
-        parts.append("" if start < 0 else body[start:end if end >= 0 else None].strip())
-    return parts[0] or "### Method (hand-written)\n\nSee `bench/goodput_study.py`.", \
-        parts[1] or f"{READING}\n\n_Not written yet._"
+    start, reading = body.find(METHOD), body.find(READING)
+    ends = [i for i in (body.find("\n### (", start), reading) if i > start]
+    method = body[start:min(ends, default=len(body))].strip() if start >= 0 else ""
+    return (method or f"{METHOD}\n\nSee `bench/goodput_study.py`.",
+            body[reading:].strip() if reading >= 0 else f"{READING}\n\n_Not written yet._")
 
 
 def section_body(doc: Path, out: Path) -> str:
@@ -403,8 +404,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", choices=[*WORKLOADS, "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="tiny lengths and sweeps; no doc")
-    ap.add_argument("--out", default="docs/bench/goodput", help="JSON and PNG directory")
-    ap.add_argument("--doc", default=DEFAULT_OUTPUT, help="markdown file of the section")
+    ap.add_argument("--out", default=_ROOT / "docs/bench/goodput", type=Path,
+                    help="JSON and PNG directory")
+    ap.add_argument("--doc", default=_ROOT / DEFAULT_OUTPUT, type=Path, help="markdown file")
     ap.add_argument("--resume", action="store_true", help="reuse saved SLOs and sweeps")
     ap.add_argument("--configs", default="agg,disagg,auto", help=f"of {','.join(SETUPS)}")
     ap.add_argument("--num-requests", type=int, help="per rate (default: per workload)")
@@ -416,7 +418,7 @@ def main() -> int:
     unknown = [c for c in args.configs if c not in SETUPS]
     if unknown or not args.configs:
         ap.error(f"--configs {unknown}: use some of {', '.join(SETUPS)}")
-    out = Path(args.out)
+    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]
     if args.quick:
@@ -439,12 +441,12 @@ def main() -> int:
               flush=True)
         table = run_table(w, args, out)
         (out / f"{w.key}.json").write_text(json.dumps(table, indent=1) + "\n")
-    body = section_body(Path(args.doc), out)
+    body = section_body(args.doc.resolve(), out)
     if args.quick:
         (out / "section.md").write_text(body + "\n")
         print(body + f"\n\n(--quick: not written to {args.doc}; see {out / 'section.md'})")
     else:
-        write_section(args.doc, SECTION, body, machine=machine_description())
+        write_section(str(args.doc), SECTION, body, machine=machine_description())
         print(body + f"\n\nwrote the {SECTION!r} section of {args.doc}")
     print(f"done in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
     return 0

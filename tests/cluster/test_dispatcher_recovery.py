@@ -147,6 +147,7 @@ def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
         await p.expect(P.Prefill)
         await p.send(output("r1", 0, [5], 0, "x"))
         await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D committed the KV
+        await asyncio.sleep(0.2)  # the dispatcher reads it
         d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
         await dec.send(output("r1", 2, [7], 2, "z", finished=True))
         assert [x.token_ids for x in await task] == [[5], [6], [7]]
