@@ -28,13 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 _ROOT = Path(__file__).resolve().parents[1]
 for _path in (_ROOT, _ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 from bench.common import (DEFAULT_OUTPUT, CpuMonitor, _split_sections,  # noqa: E402
-                          command_line, machine_description, machine_markdown,
-                          markdown_table, now_utc, write_section)
+                          busy_processes, command_line, machine_description,
+                          machine_markdown, markdown_table, now_utc, other_cpu_load,
+                          write_section)
 from splitserve.bench import (SLO, BenchConfig, BenchReport, LengthDist,  # noqa: E402
                               RequestRecord, SweepReport, compute_metrics, plot_attainment,
                               plot_cdf, run_bench, write_json)
@@ -160,9 +163,8 @@ def serving(setup: Setup, slo: SLO | None) -> Iterator[str]:
 def lengths(w: Workload, quick: bool, n: int) -> tuple[int, int, WorkloadInfo]:
     """(p90 prompt, median output, info) of the workload's requests as the sweeps send them."""
     built = build_workload(w.config(quick, num_requests=n), MAX_MODEL_LEN)
-    inputs = sorted(len(r.prompt_token_ids) for r in built.requests)
-    p90 = inputs[min(len(inputs) - 1, math.ceil(0.9 * len(inputs)) - 1)]
-    return p90, round(statistics.median(r.output_len for r in built.requests)), built.info
+    p90 = np.percentile([len(r.prompt_token_ids) for r in built.requests], 90, method="higher")
+    return int(p90), round(statistics.median(r.output_len for r in built.requests)), built.info
 
 
 def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict[str, Any]:
@@ -236,8 +238,10 @@ def load_sweep(path: Path) -> SweepReport:
 
 def cdf_rate(sweeps: list[SweepReport]) -> float:
     """The rate every configuration ran at where their attainments differ most (the
-    highest such rate on ties): where the CDFs show why they differ."""
-    common = set.intersection(*(set(s.rates) for s in sweeps))
+    highest such rate on ties): where the CDFs show why they differ. Any swept rate if no
+    rate is common (sweeps resumed from a run with another ladder)."""
+    rates = [set(s.rates) for s in sweeps]
+    common = set.intersection(*rates) or set.union(*rates)
     def spread(rate: float) -> tuple[float, float]:
         att = [r.metrics.slo_attainment for s in sweeps for r in s.runs if r.config.rate == rate]
         return max(att) - min(att), rate
@@ -258,15 +262,14 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
                      "points": [[r, run.metrics.slo_attainment] for r, run in zip(s.rates, s.runs)],
                      "failed": sum(run.metrics.num_failed for run in s.runs),
                      "other_cpu_cores": calib.get("other_cpu_cores", {}).get(name)})
-    first = next(iter(sweeps.values())).runs[0]
-    rate = cdf_rate(list(sweeps.values()))
+    first, rate = next(iter(sweeps.values())).runs[0], cdf_rate(list(sweeps.values()))
     plot_attainment(list(sweeps.values()), out / f"{w.key}_attainment.png", TARGET)
-    at = [r for s in sweeps.values() for r in s.runs if r.config.rate == rate]
     for metric in ("ttft", "tpot"):
-        plot_cdf(at, metric, out / f"{w.key}_{metric}_cdf.png")
+        plot_cdf([r for s in sweeps.values() for r in s.runs if r.config.rate == rate], metric,
+                 out / f"{w.key}_{metric}_cdf.png")
     return {"key": w.key, "title": w.title, "workload": dataclasses.asdict(first.workload),
-            "arrivals": dataclasses.asdict(first.arrivals),
-            "num_requests": args.n, "calibration": calib, "rows": rows, "cdf_rate": rate,
+            "arrivals": dataclasses.asdict(first.arrivals), "num_requests": args.n,
+            "calibration": calib, "rows": rows, "cdf_rate": rate,
             "quick": args.quick, "command": command_line(), "date": now_utc(),
             "machine": machine_markdown(machine_description()), "out": str(out)}
 
@@ -305,25 +308,26 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
 
 # -- docs/benchmarks.md ---------------------------------------------------------------------
 def _rate_text(row: dict[str, Any]) -> str:
-    tried = [p[0] for p in row["points"]]
     if row["max_rate"] is None:
-        return f"< {min(tried):.3g}"
+        return f"< {_lowest(row):.3g}"
     if row["first_miss"] is None:
         return f">= {row['max_rate']:.3g} (no miss)"
     return f"{row['max_rate']:.3g} (misses at {row['first_miss']:.3g})"
 
 
+def _lowest(row: dict[str, Any]) -> float:
+    return float(min(p[0] for p in row["points"]))
+
+
 def ratio_text(row: dict[str, Any], base: dict[str, Any] | None) -> str:
     """max rate / agg's; `>` or `<` when one side is only a bound (no pass or no miss)."""
-    if base is None or row is base:
+    r, b = row["max_rate"], base["max_rate"] if base else None
+    if row is base or base is None or (r is None and b is None):
         return "1" if row is base else "-"
-    r, b = row["max_rate"], base["max_rate"]
-    if r is None and b is None:
-        return "-"
-    if b is None:  # agg's max < its lowest tried rate
-        return f"> {r / min(p[0] for p in base['points']):.2f}x"
+    if b is None:  # agg missed at its lowest tried rate: its max is below it
+        return f"> {r / _lowest(base):.2f}x"
     if r is None:
-        return f"< {min(p[0] for p in row['points']) / b:.2f}x"
+        return f"< {_lowest(row) / b:.2f}x"
     lower, upper = row["first_miss"] is None, base["first_miss"] is None
     if lower and upper:
         return "? (neither missed)"
@@ -354,7 +358,8 @@ def render_table(t: dict[str, Any], doc_dir: Path) -> str:
     plots = Path(os.path.relpath(t["out"], doc_dir))
     return "\n".join([
         f"### {t['title']}{' (--quick: not a result)' if t['quick'] else ''}", "",
-        f"Measured {t['date']} with `{t['command']}`; machine: {t['machine']}.", "",
+        f"Measured {t['date']} with `{t['command']}` (this table alone: `python "
+        f"bench/goodput_study.py --table {t['key']}`); machine: {t['machine']}.", "",
         f"Workload: {w['description']}; {t['num_requests']} requests per rate; input tokens "
         f"mean {w['mean_input_len']:.0f} / max {w['max_input_len']}, output mean "
         f"{w['mean_output_len']:.0f}" + (f", {w['num_clamped']} cut to the context"
@@ -390,18 +395,19 @@ def section_body(doc: Path, out: Path) -> str:
     return "\n\n".join([method, *tables, reading])
 
 
-def estimate_s(w: Workload, args: argparse.Namespace) -> float:
+def estimate_s(w: Workload, args: argparse.Namespace, n: int) -> float:
     """Wall time if one configuration's search goes down (start, 1/2, 1/1.41) and the
     others' up (start, 2x, 1.41x); a point lasts about num_requests / rate, so every knee
     further below the start adds more."""
     ladder, s, top = w.ladder(args.quick), w.start, len(w.ladder(args.quick)) - 1
-    cost = [25 + sum((args.n - 1) / ladder[i] + w.tail_s for i in path[:args.max_points])
+    cost = [25 + sum((n - 1) / ladder[i] + w.tail_s for i in path[:args.max_points])
             for path in ([s, min(s + 2, top), s + 1], [s, max(s - 2, 0), max(s - 1, 0)])]
     return 20 + (len(args.configs) - 1) * cost[0] + cost[1]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Goodput study: the highest rate at 90% SLO "
+                                 "attainment, agg vs disagg vs auto, per workload.")
     ap.add_argument("--table", choices=[*WORKLOADS, "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="tiny lengths and sweeps; no doc")
     ap.add_argument("--out", default=_ROOT / "docs/bench/goodput", type=Path,
@@ -410,7 +416,6 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", help="reuse saved SLOs and sweeps")
     ap.add_argument("--configs", default="agg,disagg,auto", help=f"of {','.join(SETUPS)}")
     ap.add_argument("--num-requests", type=int, help="per rate (default: per workload)")
-    ap.add_argument("--max-points", type=int, default=5, help="rates per configuration")
     ap.add_argument("--slo-ttft-ms", type=float, help="instead of the measured rule")
     ap.add_argument("--slo-tpot-ms", type=float, help="instead of the measured rule")
     args = ap.parse_args()
@@ -421,24 +426,23 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]
-    if args.quick:
-        args.max_points = 2
-    total = 0.0
-    for w in tables:
-        args.n = args.num_requests or (6 if args.quick else w.num_requests)
-        total += estimate_s(w, args)
-    print(f"goodput study: tables {', '.join(w.key for w in tables)}, configs "
-          f"{', '.join(args.configs)}; estimated ~{total / 60:.0f} min (longer if knees sit "
-          "far below the start rates: a point lasts about requests / rate)", flush=True)
+    args.max_points = 2 if args.quick else 5  # rates per configuration
+    sizes = {w.key: args.num_requests or (6 if args.quick else w.num_requests) for w in tables}
+    total = sum(estimate_s(w, args, sizes[w.key]) for w in tables)
+    print(f"goodput study: tables {', '.join(sizes)}, configs {', '.join(args.configs)}; "
+          f"estimated ~{total / 60:.0f} min (longer if knees sit far below the start rates: "
+          "a point lasts about requests / rate)", flush=True)
+    busy = other_cpu_load(2.0)
+    if busy > 0.1:  # the study needs both cores; a busy machine makes its numbers noise
+        print(f"WARNING: other processes use {busy:.2f} cores: {busy_processes()[:3]}")
     t0 = time.monotonic()
     for w in tables:
-        args.n = args.num_requests or (6 if args.quick else w.num_requests)
-        _, _, info = lengths(w, args.quick, args.n)
-        print(f"{w.title}: {info.description}; {args.n} requests per rate, input mean "
+        args.n = sizes[w.key]
+        info = lengths(w, args.quick, args.n)[2]
+        print(f"{w.title}: {info.description}; {args.n} requests per rate; input mean "
               f"{info.mean_input_len:.0f} / max {info.max_input_len}, output mean "
-              f"{info.mean_output_len:.0f}, {info.num_clamped} cut to {MAX_MODEL_LEN}"
-              + (f", {info.block_size} tokens per hash id" if info.block_size else ""),
-              flush=True)
+              f"{info.mean_output_len:.0f}; {info.num_clamped} cut to {MAX_MODEL_LEN}"
+              + (f"; {info.block_size} tokens per hash id" if info.block_size else ""))
         table = run_table(w, args, out)
         (out / f"{w.key}.json").write_text(json.dumps(table, indent=1) + "\n")
     body = section_body(args.doc.resolve(), out)

@@ -7,7 +7,7 @@ engine's), failed with an explicit error, lost (no answer and no error within th
 deadline) or corrupted (completed with another output). Lost and corrupted must be 0.
 At the end every worker's KV pool must pass its invariant check and hold nothing.
 
-    python bench/soak.py [--duration-s 180] [--rate 1.5] [--fault-every-s 12] [--quick]
+    python bench/soak.py [--duration-s 180] [--rate 1.0] [--fault-every-s 12] [--quick]
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration-s", type=float, default=180.0)
-    ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     ap.add_argument("--fault-every-s", type=float, default=12.0)
     ap.add_argument("--request-deadline-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=20261122)
