@@ -214,6 +214,9 @@ def test_client_disconnect_aborts_and_frees_blocks(disagg: Any) -> None:
     assert health["in_flight"] == 0, health
     assert used and not any(used), used
     assert 'splitserve_requests_total{outcome="abort"}' in metrics
+    pools = disagg.get_json("/admin/pools")["workers"]  # check_invariants() on every worker
+    assert all(p["ok"] and p["used_blocks"] == 0 and p["requests"] == 0
+               for p in pools.values()), pools
 
 
 def _titles() -> dict[int, str]:
