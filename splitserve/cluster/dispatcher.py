@@ -34,7 +34,8 @@ from splitserve.cluster.metrics import Metrics
 from splitserve.cluster.admin import ClusterAdmin
 from splitserve.cluster.flight import Flight, Stage
 from splitserve.cluster.recovery import KV_FAILURE_POLICIES, Recovery, is_transfer_failure
-from splitserve.cluster.router import Role, RouteDecision, Router, RouteRequest, WorkerLoad
+from splitserve.cluster.router import RouteDecision, Router, RouteRequest
+from splitserve.cluster.membership import router_add_worker, router_observe_load
 from splitserve.cluster.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.worker_link import WorkerLink
 from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
@@ -45,8 +46,6 @@ from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
 
-REAPER_PERIOD_S = 0.05
-_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 
 
 class Dispatcher:
@@ -85,7 +84,7 @@ class Dispatcher:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.link.receive(self._on_message),
                                            name="dispatcher-receive"),
-                       asyncio.create_task(self._reaper_loop(), name="dispatcher-reaper")]
+                       asyncio.create_task(self.recovery.reaper_loop(), name="dispatcher-reaper")]
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -320,25 +319,19 @@ class Dispatcher:
         if old is not None and old.identity != identity:
             # A restarted worker: its previous incarnation is gone, with its cache; its
             # requests resume once the new one is registered (they may go to it).
-            orphans = self.recovery.remove_worker(old.identity, "was replaced by a new incarnation")
+            orphans = self.recovery.remove_worker(old.identity, "was replaced")
         self.table.register(identity, msg)
         self.block_size = msg.block_size
-        cfg = self.router.config
-        if (cfg.kv_bytes_per_token, cfg.block_size) != (msg.kv_bytes_per_token, msg.block_size):
-            # The workers know the model's KV size (layers, heads, dtype); the router's
-            # transfer-time estimate uses it.
-            self.router.config = replace(cfg, kv_bytes_per_token=msg.kv_bytes_per_token,
-                                         block_size=msg.block_size)
         self.max_model_len = (msg.max_model_len if not self.max_model_len
                               else min(self.max_model_len, msg.max_model_len))
-        self.router.add_worker(msg.worker_id, _ROLES[msg.role], WorkerLoad(
-            0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
+        router_add_worker(self.router, msg)
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
         self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
-        self.recovery.recover_all(orphans, f"worker {msg.worker_id} was replaced by a new incarnation")
+        self.recovery.recover_all(orphans, f"worker {msg.worker_id} was replaced by a new "
+                                           "incarnation")
         self.recovery.place_stranded()
         self._admit_queued()
 
@@ -384,52 +377,14 @@ class Dispatcher:
                       retryable=not transfer or self.kv_failure_policy == "retry")
 
     def _on_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
-        wid = worker.worker_id
-        load = WorkerLoad(msg.num_running, msg.num_waiting + msg.num_awaiting_kv,
-                          msg.num_waiting_tokens, msg.kv_blocks_used, msg.kv_blocks_total,
-                          worker.ready.max_num_seqs)
-        self.router.update_load(wid, load)
-        for num_prefill, num_decode, seconds in msg.steps:
-            if num_prefill and not num_decode:
-                self.router.observe_prefill(wid, int(num_prefill), seconds)
-            elif num_decode and not num_prefill:
-                self.router.observe_decode_step(wid, int(num_decode), seconds)
-        self.metrics.observe_load(wid, msg)
+        router_observe_load(self.router, worker.worker_id, worker.ready.max_num_seqs, msg)
+        self.metrics.observe_load(worker.worker_id, msg)
         self.metrics.index_blocks.set(self.router.num_indexed_blocks)
         self._admit_queued()
 
-    # -- deadlines and health -------------------------------------------------------------------
-    async def _reaper_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REAPER_PERIOD_S)
-            now = time.monotonic()
-            for flight in list(self.flights.values()):
-                error = flight.overdue(now, self.deadlines.queue_timeout_s)
-                if error is None:
-                    continue
-                self.metrics.failures.labels(f"timeout_{error.stage}").inc()
-                if flight.stage is Stage.QUEUED:
-                    assert flight.admitted is not None
-                    flight.admitted.set_exception(error)
-                else:  # a stalled stage is retried elsewhere; the request deadline is final
-                    self.recovery.recover(flight, error, f"timeout_{error.stage}",
-                                  retryable=error.stage != "request")
-            for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
-                self.mark_dead(worker.identity, "missed its heartbeat deadline")
-
-    def mark_dead(self, identity: bytes, why: str) -> None:
-        """Takes a worker out of routing and recovers the requests it held: each is
-        retried elsewhere (resuming its stream) or fails with WorkerFailed."""
-        worker = self.table.get(identity)
-        if worker is not None and worker.healthy:
-            orphans = self.recovery.remove_worker(identity, why)
-            self.recovery.recover_all(orphans, f"worker {worker.worker_id} {why}")
-
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:
-        if self.table.healthy(("both",)):
-            return True
-        return bool(self.table.healthy(("decode",)))
+        return bool(self.table.healthy(("decode", "both")))
 
     def health(self) -> dict[str, object]:
         return {"workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy,

@@ -105,7 +105,7 @@ class Cluster:
                 if self.runtime.is_alive(handle):
                     continue
                 spec = handle.spec
-                dispatcher.mark_dead(spec.identity, "exited")
+                dispatcher.recovery.mark_dead(spec.identity, "exited")
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
                     continue
                 self.runtime.stop_worker(handle)  # reaps the exited process

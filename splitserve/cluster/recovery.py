@@ -16,6 +16,7 @@ with no decode worker up, it waits (within its stage deadline) for a restarted o
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from splitserve.cluster.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
+
+REAPER_PERIOD_S = 0.05
 
 KV_FAILURE_POLICIES = ("recompute", "retry", "fail")
 
@@ -54,8 +57,9 @@ def is_transfer_failure(kind: str) -> bool:
 
 
 class Recovery:
-    """The dispatcher's failure handling: retries, stranded retries, removed workers,
-    fencing of removed incarnations, stale index entries."""
+    """The dispatcher's failure handling: the reaper (deadlines, heartbeats), retries,
+    stranded retries, removed workers, fencing of removed incarnations, stale index
+    entries."""
 
     def __init__(self, dispatcher: Dispatcher, *, max_retries: int,
                  wait_for_restarts: bool) -> None:
@@ -190,3 +194,32 @@ class Recovery:
             flight = d.attempts.get(aid)
             if flight is not None:
                 self.recover(flight, WorkerFailed(why), "worker_dead")
+
+    async def reaper_loop(self) -> None:
+        """Every 50 ms: requests past a deadline (queue: fail; a stalled stage: retry;
+        the request deadline: fail) and workers past their heartbeat deadline."""
+        d = self.d
+        while True:
+            await asyncio.sleep(REAPER_PERIOD_S)
+            now = time.monotonic()
+            for flight in list(d.flights.values()):
+                error = flight.overdue(now, d.deadlines.queue_timeout_s)
+                if error is None:
+                    continue
+                d.metrics.failures.labels(f"timeout_{error.stage}").inc()
+                if flight.stage is Stage.QUEUED:
+                    assert flight.admitted is not None
+                    flight.admitted.set_exception(error)
+                else:
+                    self.recover(flight, error, f"timeout_{error.stage}",
+                                 retryable=error.stage != "request")
+            for worker in d.table.overdue(d.deadlines.heartbeat_timeout_s, now):
+                self.mark_dead(worker.identity, "missed its heartbeat deadline")
+
+    def mark_dead(self, identity: bytes, why: str) -> None:
+        """Takes a worker out of routing and recovers the requests it held: each is
+        retried elsewhere (resuming its stream) or fails with WorkerFailed."""
+        worker = self.d.table.get(identity)
+        if worker is not None and worker.healthy:
+            self.recover_all(self.remove_worker(identity, why),
+                             f"worker {worker.worker_id} {why}")

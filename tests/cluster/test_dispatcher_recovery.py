@@ -44,7 +44,7 @@ def test_a_dead_prefill_worker_is_replaced_by_a_local_prefill() -> None:
         assert (await dec.expect(P.Generate)).await_kv
         await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
         await p.expect(P.Prefill)
-        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.recovery.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
         assert (await dec.expect(P.Abort)).request_id == "r1"
         retry = await dec.expect(P.Generate)
         assert retry.request_id == "r1#1" and not retry.await_kv and not retry.resume_token_ids
@@ -148,7 +148,7 @@ def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
         await p.send(output("r1", 0, [5], 0, "x"))
         await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D committed the KV
         await asyncio.sleep(0.2)  # the dispatcher reads it
-        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.recovery.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
         await dec.send(output("r1", 2, [7], 2, "z", finished=True))
         assert [x.token_ids for x in await task] == [[5], [6], [7]]
         assert b"splitserve_retries_total" not in d.metrics_text().replace(

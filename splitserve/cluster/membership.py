@@ -1,0 +1,35 @@
+"""What the router learns from workers' messages: who joined (WorkerReady) and how
+loaded each one is (LoadReport, with the step timings its cost models fit)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from splitserve.cluster.protocol import LoadReport, WorkerReady
+from splitserve.cluster.router import Role, Router, WorkerLoad
+
+_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
+
+
+def router_add_worker(router: Router, msg: WorkerReady) -> None:
+    """Registers (or re-registers) a worker with the router, idle. The workers know the
+    model's KV size (layers, heads, dtype): the router's transfer-time estimate uses it."""
+    cfg = router.config
+    if (cfg.kv_bytes_per_token, cfg.block_size) != (msg.kv_bytes_per_token, msg.block_size):
+        router.config = replace(cfg, kv_bytes_per_token=msg.kv_bytes_per_token,
+                                block_size=msg.block_size)
+    router.add_worker(msg.worker_id, _ROLES[msg.role],
+                      WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
+
+
+def router_observe_load(router: Router, worker_id: str, max_num_seqs: int,
+                        msg: LoadReport) -> None:
+    """A load report: the worker's queue and memory, and its pure prefill or pure decode
+    steps as samples for the cost models (mixed steps fit neither)."""
+    router.update_load(worker_id, WorkerLoad(
+        msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
+        msg.kv_blocks_used, msg.kv_blocks_total, max_num_seqs))
+    for num_prefill, num_decode, seconds in msg.steps:
+        if num_prefill and not num_decode:
+            router.observe_prefill(worker_id, int(num_prefill), seconds)
+        elif num_decode and not num_prefill:
+            router.observe_decode_step(worker_id, int(num_decode), seconds)
