@@ -25,6 +25,11 @@ from splitserve.model.loader import open_checkpoint
 
 logger = logging.getLogger("splitserve.serve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Idle keep-alive connections are closed after this long. uvicorn's default (5 s) equals the
+# idle expiry of httpx's pool (the `openai` client's), so a client could reuse a connection
+# at the moment the server closes it and get a connection error; the server must outlast
+# its clients' pools.
+KEEP_ALIVE_S = 30
 
 
 class ClusterBackend:
@@ -85,8 +90,9 @@ async def serve(config: ServeConfig) -> None:
         info = model_info(config, dispatcher.max_model_len)
         app = build_app(ClusterBackend(dispatcher, info))
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_config=log_config(config.log_level.upper()),
-                                               timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
+                                        log_config=log_config(config.log_level.upper()),
+                                        timeout_keep_alive=KEEP_ALIVE_S,
+                                        timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
         logger.info("serving %s on http://%s:%d (%s, %d workers)", info.served_model_names[0],
                     config.host, config.port, config.mode, len(cluster.handles))
         loop = asyncio.get_running_loop()

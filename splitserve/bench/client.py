@@ -79,13 +79,23 @@ def fetch_metrics_text(base_url: str, timeout_s: float = 10.0) -> str | None:
         return None
 
 
+# Idle pooled connections are dropped after this long, before any common server's idle
+# timeout (uvicorn and so vLLM: 5 s): reusing a connection the server is closing at that
+# moment fails the request, and without retries that would count as a server failure.
+CLIENT_KEEPALIVE_S = 2.0
+
+
 def make_client(base_url: str, timeout_s: float) -> Any:
     """An AsyncOpenAI client without retries (a retried request would hide a failure)."""
+    import httpx2
     import openai
 
+    limits = httpx2.Limits(max_connections=1000, max_keepalive_connections=100,
+                           keepalive_expiry=CLIENT_KEEPALIVE_S)
     return openai.AsyncOpenAI(base_url=normalize_base_url(base_url) + "/v1",
                               api_key=os.environ.get("OPENAI_API_KEY", "none"),
-                              max_retries=0, timeout=timeout_s)
+                              max_retries=0, timeout=timeout_s,
+                              http_client=openai.DefaultAsyncHttpxClient(limits=limits))
 
 
 async def send_request(client: Any, options: RequestOptions, request: BenchRequest,

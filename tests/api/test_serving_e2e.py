@@ -298,3 +298,23 @@ def test_fault_injection_is_refused_unless_enabled(disagg: Any) -> None:
     assert len(disagg.get_json("/health")["workers"]) == 2  # nothing was killed
     pools = disagg.get_json("/admin/pools")["workers"]
     assert sorted(pools) == ["decode-0", "prefill-0"] and all(p["ok"] for p in pools.values())
+
+
+def test_idle_keep_alive_connection_outlasts_the_client_pool(disagg: Any) -> None:
+    """httpx (the `openai` client) reuses idle connections for up to 5 s; a server that
+    closes them at 5 s (uvicorn's default) races the client and fails requests at random.
+    One connection, idle 6 s, must still serve the next request."""
+    import http.client
+    from splitserve.bench.client import CLIENT_KEEPALIVE_S
+
+    conn = http.client.HTTPConnection("127.0.0.1", disagg.port, timeout=10)
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().read() and conn.sock is not None
+    sock = conn.sock
+    time.sleep(6.0)
+    conn.request("GET", "/v1/models")
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read())["data"]
+    assert conn.sock is sock, "the server closed the idle connection"
+    assert CLIENT_KEEPALIVE_S < 5.0, "the bench client must drop idle connections first"
+    conn.close()
