@@ -23,6 +23,9 @@ index (the last block is always recomputed, as the engine does) and `u = T - cac
                  stall: local prefill only: num_running * full(u) / tpot_window_tokens,
                         the TPOT its running sequences lose (the prefill's time spread
                         over the tokens their TPOT is averaged over)
+    recent(w)  = predicted seconds of the prompts routed to w to prefill locally within
+                 the TPOT horizon (tpot_window_tokens * tpot_slo_s: the time a sequence
+                 takes for the tokens its TPOT is averaged over, at the SLO)
     memory(w)  = memory_pressure_s * x / (1 - x), x = KV usage with the prompt placed
     local(D)       = prefill(D) + load_weight * load(D) + memory_weight * memory(D)
     remote(P, D)   = prefill(P) + load_weight * queue(P) + memory_weight * memory(P)
@@ -33,7 +36,9 @@ scoring.py evaluates these for all workers at once. A worker is over budget when
 running + waiting >= max_num_seqs or its free KV blocks
 cannot hold the prompt's uncached blocks. Policy AUTO takes the cheaper of the best local
 and best remote option, except that a local prefill that would lift D's running
-sequences over `tpot_slo_s` (step + full(u) / tpot_window_tokens) is not allowed; with
+sequences over `tpot_slo_s` (step + (recent + full(u)) / tpot_window_tokens: every local
+prefill of the horizon stalls the same sequences, and those arriving meanwhile, so an idle
+worker is no exception) is not allowed; with
 every prefill worker over budget it prefills locally. ALWAYS is remote or None, NEVER is
 local. Without prefill workers (all BOTH) it picks the cheapest worker (AGGREGATED).
 
@@ -98,6 +103,8 @@ class Router:
         # few us per report), so route() never pays for reports that arrived before it.
         self._columns = WorkerColumns()
         self._stats = RouterStats()
+        slo = self.config.tpot_slo_s
+        self._horizon_s = slo * self.config.tpot_window_tokens if slo is not None else 0.0
 
     # -- membership, load, events, timings -------------------------------------------------
     def add_worker(self, worker_id: str, role: Role, load: WorkerLoad) -> None:
@@ -192,6 +199,11 @@ class Router:
         if req.num_prompt_tokens <= 0:
             raise ValueError(f"request {req.request_id!r} has {req.num_prompt_tokens} prompt "
                              f"tokens; the router places non-empty prompts only")
+        if self._horizon_s:  # local prefills older than the horizon stop counting
+            now = self._clock()
+            for worker_id, worker in self._workers.items():
+                if worker.expire_local_prefills(now - self._horizon_s):
+                    self._refresh(worker_id)
         columns = self._columns
         hit_blocks = np.zeros(len(columns))
         for worker_id, num_blocks in self.index.match(req.block_hashes).items():
@@ -227,7 +239,8 @@ class Router:
         return RouteDecision.remote(s, prefill, decode, ids, reason)
 
     def _refresh(self, worker_id: str) -> None:
-        self._columns.set(worker_id, self._workers[worker_id].terms())
+        self._columns.set(worker_id,
+                          self._workers[worker_id].terms(self._clock(), self._horizon_s))
 
     # -- in-flight accounting, tenants, stats ----------------------------------------------
     def on_dispatched(self, decision: RouteDecision, req: RouteRequest) -> None:
@@ -243,10 +256,14 @@ class Router:
                 kv_blocks=num_blocks - decision.num_cached_tokens // bs)
             shares[decision.decode_worker] = InFlight(num_running=1, kv_blocks=num_blocks)
         else:
+            uncached = req.num_prompt_tokens - decision.num_cached_tokens
             shares[decision.decode_worker] = InFlight(
-                num_waiting=1,
-                num_waiting_tokens=req.num_prompt_tokens - decision.num_cached_tokens,
+                num_waiting=1, num_waiting_tokens=uncached,
                 kv_blocks=num_blocks - decision.num_cached_tokens // bs)
+            worker = self._workers.get(decision.decode_worker)
+            if worker is not None and self._horizon_s:
+                worker.local_prefills.append((self._clock(),
+                                              worker.prefill_model.predict(uncached)))
         for worker_id, share in shares.items():
             worker = self._workers.get(worker_id)
             if worker is not None:

@@ -26,6 +26,7 @@ class WorkerTerms(NamedTuple):
     queue_s: float  # queued prefill work
     step_s: float  # one decode step with one more sequence than now
     num_running: int
+    recent_prefill_s: float  # local prefills placed here within the TPOT horizon
     num_free_blocks: int
     num_blocks_total: int
     has_seq_room: bool  # running + waiting < max_num_seqs
@@ -98,7 +99,7 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
           config: RouterConfig) -> Scores:
     """Scores a `num_tokens` prompt of which worker w holds `hit_blocks[w]` leading
     blocks; `terms` is `WorkerColumns.view()`."""
-    a, b, c, queue_s, step_s, running, free, total, has_room, is_prefill = terms
+    a, b, c, queue_s, step_s, running, recent_s, free, total, has_room, is_prefill = terms
     bs = config.block_size
     # NOTE: the engine always recomputes the prompt's last token, so a hit on every block
     # still leaves the last block to compute.
@@ -116,7 +117,9 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
     if config.tpot_slo_s is None:
         within_tpot = np.ones_like(fits)
     else:
-        within_tpot = (running == 0) | (step_s + prefill_s / window <= config.tpot_slo_s)
+        # This prefill and the local ones placed here lately all stall the running decodes,
+        # and the sequences that arrive while they run: an idle worker is no exception.
+        within_tpot = step_s + (recent_s + prefill_s) / window <= config.tpot_slo_s
     transfer_s = (config.transfer_latency_s
                   + uncached * (config.kv_bytes_per_token / config.transfer_bandwidth_bytes_s))
     lw, mw, locality = config.load_weight, config.memory_weight, config.locality_weight

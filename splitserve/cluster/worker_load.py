@@ -9,6 +9,7 @@ report takes its share back out.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -63,6 +64,9 @@ class WorkerState:
     decode_model: DecodeStepModel
     pending: dict[str, InFlight] = field(default_factory=dict)  # request id -> its share
     in_flight: InFlight = field(default_factory=InFlight)  # sum of `pending`
+    # (dispatch time, predicted seconds) of the prompts routed here to prefill locally,
+    # kept for the TPOT horizon: together they stall this worker's running decodes.
+    local_prefills: deque[tuple[float, float]] = field(default_factory=deque)
 
     @staticmethod
     def create(role: Role, load: WorkerLoad, config: CostModelConfig,
@@ -93,14 +97,25 @@ class WorkerState:
         """No room for another sequence (running + waiting >= max_num_seqs)."""
         return self.num_running + self.num_waiting >= self.load.max_num_seqs
 
-    def terms(self) -> WorkerTerms:
-        """The request-independent scoring terms as of now."""
+    def terms(self, now: float, horizon_s: float) -> WorkerTerms:
+        """The request-independent scoring terms as of `now`; local prefills count for
+        `horizon_s` after their dispatch."""
+        self.expire_local_prefills(now - horizon_s)
         a, b, c = self.prefill_model.coefficients
         return WorkerTerms(
             a, b, c, self.prefill_model.predict_queue(self.num_waiting, self.num_waiting_tokens),
             self.decode_model.predict(self.num_running + 1), self.num_running,
+            sum(seconds for _, seconds in self.local_prefills),
             self.num_free_blocks, self.load.kv_blocks_total, not self.is_full(),
             self.role == Role.PREFILL)
+
+    def expire_local_prefills(self, before: float) -> bool:
+        """Forget local prefills dispatched before `before`; True if any went."""
+        expired = False
+        while self.local_prefills and self.local_prefills[0][0] < before:
+            self.local_prefills.popleft()
+            expired = True
+        return expired
 
     def report(self, load: WorkerLoad) -> None:
         """A new load report replaces the in-flight tally."""

@@ -172,9 +172,33 @@ def test_tpot_budget_forces_remote() -> None:
         "d0", RouteReason.LOCAL_FASTER, 0)
     router = pd(load(running=1), tpot_slo_s=0.030)
     assert remote(router.route(request(256))) == ("p0", "d0", RouteReason.TPOT_BUDGET, 0)
-    # An idle decode worker stalls nobody.
-    router = pd(load(), tpot_slo_s=0.030)
-    assert local(router.route(request(256))) == ("d0", RouteReason.LOCAL_FASTER, 0)
+    # An idle decode worker too: sequences that arrive during the prefill would stall.
+    router = pd(load(), tpot_slo_s=0.026)
+    assert remote(router.route(request(256))) == ("p0", "d0", RouteReason.TPOT_BUDGET, 0)
+    assert local(router.route(request(32))) == ("d0", RouteReason.LOCAL_FASTER, 0)
+
+
+def test_tpot_budget_counts_the_local_prefills_of_the_horizon() -> None:
+    # One 256-token local prefill fits d0's budget: step(2) + prefill(256) / 64 = 30.7 ms
+    # <= 40 ms. Together, the ones routed within the horizon (64 tokens x 40 ms = 2.56 s)
+    # stall the same running sequence: only floor((40 - 28) ms * 64 / prefill(256)) = 4 fit.
+    now = [0.0]
+    router = Router(RouterConfig(tpot_slo_s=0.040), clock=lambda: now[0])
+    router.add_worker("p0", Role.PREFILL, load())
+    router.add_worker("d0", Role.DECODE, load(running=1))
+    places = []
+    for i in range(6):
+        req = request(256, rid=f"r{i}", seed=i)
+        decision = router.route(req)
+        assert decision is not None
+        router.on_dispatched(decision, req)
+        router.update_load("d0", load(running=1))  # its prefill is done, it decodes on
+        router.update_load("p0", load())
+        places.append(decision.reason)
+        now[0] += 0.1
+    assert places == [RouteReason.LOCAL_FASTER] * 4 + [RouteReason.TPOT_BUDGET] * 2
+    now[0] += 2.56  # the horizon passed: those prefills no longer hold anybody up
+    assert local(router.route(request(256, seed=9))) == ("d0", RouteReason.LOCAL_FASTER, 0)
 
 
 def test_forced_policies_and_per_request_override() -> None:
