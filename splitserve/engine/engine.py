@@ -21,6 +21,7 @@ from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
+from splitserve.model.packed import can_pack, pack_linears_
 from splitserve.model.quant import QUANTIZATIONS, quantize_int8_
 from splitserve.model.registry import build_model
 
@@ -87,6 +88,8 @@ class LLMEngine:
                                  f"use one of {QUANTIZATIONS} or none")
             quantize_int8_(self.model)
             weights_digest += f"+{config.quantization}"
+        elif can_pack(self.device, self.dtype):
+            pack_linears_(self.model)  # same numbers, faster GEMV: no fingerprint change
 
         self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:
