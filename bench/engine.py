@@ -211,14 +211,15 @@ class Bound:
 
 
 def model_counts(engine: LLMEngine) -> dict[str, float]:
-    model = engine.model
-    linear = sum(m.weight.numel() for m in model.model.layers.modules()
-                 if isinstance(m, nn.Linear))
-    head = model.lm_head.weight.numel()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not engine.spec.tie_word_embeddings:  # an untied embedding is read one row a token
-        weight_bytes -= model.model.embed_tokens.weight.numel() * engine.dtype.itemsize
+    """Weights from the spec (the engine's linears may be packed, int8 or plain)."""
     s = engine.spec
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    linear = s.num_layers * (s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+                             + 3 * s.hidden_size * s.intermediate_size)
+    head = s.vocab_size * s.hidden_size
+    norms = (2 * s.num_layers + 1) * s.hidden_size
+    # The LM head is read once per step; an untied embedding only one row per token.
+    weight_bytes = (linear + head + norms) * engine.dtype.itemsize
     return {"linear": float(linear), "head": float(head), "weight_bytes": float(weight_bytes),
             "kv_bytes_per_token": float(2 * s.num_layers * s.num_kv_heads * s.head_dim
                                         * engine.dtype.itemsize),
