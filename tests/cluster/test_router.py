@@ -58,6 +58,14 @@ def make(*workers: tuple[str, Role, WorkerLoad], **config: object) -> Router:
     return router
 
 
+def dispatch(router: Router, req: RouteRequest) -> RouteDecision:
+    """Route `req` and tell the router it was sent as decided."""
+    decision = router.route(req)
+    assert decision is not None
+    router.on_dispatched(decision, req)
+    return decision
+
+
 def local(decision: RouteDecision | None) -> tuple[str, RouteReason, int]:
     assert decision is not None and decision.prefill_worker is None
     return decision.decode_worker, decision.reason, decision.num_cached_tokens
@@ -188,10 +196,7 @@ def test_tpot_budget_counts_the_local_prefills_of_the_horizon() -> None:
     router.add_worker("d0", Role.DECODE, load(running=1))
     places = []
     for i in range(6):
-        req = request(256, rid=f"r{i}", seed=i)
-        decision = router.route(req)
-        assert decision is not None
-        router.on_dispatched(decision, req)
+        decision = dispatch(router, request(256, rid=f"r{i}", seed=i))
         router.update_load("d0", load(running=1))  # its prefill is done, it decodes on
         router.update_load("p0", load())
         places.append(decision.reason)
@@ -235,11 +240,7 @@ def test_burst_spreads_until_load_reports_arrive() -> None:
     router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load()))
     placed = []
     for i in range(4):
-        req = request(160, rid=f"r{i}", seed=i)
-        decision = router.route(req)
-        assert decision is not None
-        router.on_dispatched(decision, req)
-        placed.append(decision.decode_worker)
+        placed.append(dispatch(router, request(160, rid=f"r{i}", seed=i)).decode_worker)
     assert placed == ["a", "b", "a", "b"]
     router.on_finished("r0")
     router.on_finished("r2")  # a's share is gone: a is idle again
