@@ -41,7 +41,7 @@ PRELUDE = struct.Struct("<4sBBHQQ")
 # Cap on header/trailer/reply bodies, checked before allocating (a 1M-token range has
 # 62.5K block hashes: ~1.1 MB of header).
 MAX_RECORD_BYTES = 16 << 20
-RECV_CHUNK = 1 << 20  # payloads are received and hashed chunk by chunk, while in cache
+RECV_CHUNK = 256 << 10  # payloads are received and hashed chunk by chunk, while in cache
 
 
 class FrameKind(IntEnum):
