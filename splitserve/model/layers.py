@@ -55,25 +55,27 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.cos: torch.Tensor
-        self.sin: torch.Tensor
+        self.signed_sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half's sign folded into the table: see apply_rotary.
+        half = head_dim // 2
+        signed_sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim] for a step; computed once, used by every layer."""
+        """cos, signed sin [num_tokens, 1, head_dim] for a step; computed once, used by every
+        layer."""
         return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+                self.signed_sin[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE, x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) *
+    cat(-sin, sin): the same products bit for bit, in 4 ops instead of 6 (the op count is
+    what a decode step of one token pays for)."""
+    # x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class SwiGLU(nn.Module):
