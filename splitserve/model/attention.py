@@ -134,21 +134,20 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Ten
     """
     nd, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]
-    group = num_heads // num_kv_heads
-    # K and V of every sequence's blocks in one gather: [2, nd, L, kv_heads, head_dim]
-    kv = kv_layer.index_select(1, tables.flatten()).view(2, nd, -1, num_kv_heads, head_dim)
-    qg = q.view(nd, num_kv_heads, group, head_dim)
+    qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if nd == 1:
-        # A lone sequence needs no padding mask: cut the context to its length. Its length
-        # changes every step, and a bf16 matmul of a new shape pays oneDNN's primitive
-        # creation (~35 us, twice per layer); fp32 has no such cost and is exact.
-        kv, qg = kv[:, :, :context_lens[0]].float(), qg.float()
-        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [1, kv_heads, L, hd]
-    else:
-        keys, values = kv[0].transpose(1, 2).contiguous(), kv[1].transpose(1, 2).contiguous()
-    scores = torch.matmul(qg, keys.transpose(-1, -2))  # [nd, kv_heads, group, L]
-    scores = scores.mul_(head_dim ** -0.5)
-    if nd > 1:
-        scores = scores.masked_fill_(padding, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values).view(nd, num_heads, head_dim).to(q.dtype)
+        # A lone sequence needs no padding mask: its K and V (one gather) are cut to its
+        # length. That length changes every step, and a bf16 matmul of a new shape pays
+        # oneDNN's primitive creation (~35 us, twice per layer): fp32 has no such cost.
+        kv = kv_layer.index_select(1, tables[0]).flatten(1, 2)[:, :context_lens[0]].float()
+        keys, values = kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]  # [1, h, L, d]
+        scores = torch.matmul(qg.float(), keys.transpose(-1, -2)).mul_(head_dim ** -0.5)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values).view(1, num_heads, head_dim).to(q.dtype)
+    # [nd, kv_heads, L, head_dim]
+    keys = _gather(kv_layer[0], tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather(kv_layer[1], tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+    scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2))  # [nd, kv_heads, group, L]
+    scores = scores.mul_(head_dim ** -0.5).masked_fill_(padding, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values.contiguous()).view(nd, num_heads, head_dim)
