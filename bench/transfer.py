@@ -458,14 +458,22 @@ NOTES = """\
   faster socket.
 - **shm vs memcpy.** Expected 50-70%: a byte is copied into the ring by the sender and out
   of it by the receiver (two processes, in parallel) and hashed once. The first version
-  measured 5-12%: every transfer got a fresh 64 MiB memfd ring, and first-touch page faults
-  are very expensive in this VM (fresh pages were written at ~1.1 GB/s against ~15 GB/s for
-  warm ones). Rings are now pooled by the sender and their mappings cached by the receiver,
-  and the ring is 16 MiB (it stays in the 32 MiB L3); 4K and 16K then sit at the 50% line.
-  At 1K tokens the fixed per-transfer costs (connect, descriptor passing, header round
-  trip, reply: ~1 ms of ~4 ms) and a cache-resident memcpy (23.6 MB < L3) keep the ratio
-  well under it. Going further needs fewer copies (e.g. the receiver placing layers
-  straight from the ring), which ties ring space to the decode engine's step cadence.
+  measured 5-12%: every transfer got a fresh memfd ring, and first-touch page faults are
+  very expensive in this VM (fresh pages were written at ~1.1 GB/s against ~15 GB/s for
+  warm ones); pooled 16 MiB rings gave 36-50%. Measured since: the copy out of a ring the
+  other core just wrote runs at the same speed as from one's own (1.3 ms for 24 MB), and
+  two copies on the two cores do not slow each other; what cost was a doorbell per 1 MiB
+  and per frame part (each a system call and often a wake-up: ~65 per 1K transfer) and a
+  ring larger than what stays in cache between the two copies. Doorbells are now batched
+  (DATA every 256 KiB and at the end of a frame, CREDIT every quarter ring) and the ring is
+  4 MiB: 4K and 16K went to 64-78%. A 16-token transfer still takes ~1 ms: connect and
+  descriptor passing (0.05-0.2 ms), the header's round trip (0.2-0.3 ms: the receiver wakes,
+  maps the rings, decodes and checks the header, replies), ~10-20 us of Python per layer
+  frame on the receiver (30 frames) and the final reply. At 1K tokens that fixed ~1 ms sits
+  next to a memcpy of 1.1-1.6 ms (23.6 MB, partly cache-resident: 15-21 GB/s against
+  11-16 GB/s at 4K-16K), so the ratio stays under 50% there. Getting it over needs the
+  fixed cost under ~0.3 ms: channels kept open across transfers (no connect, accept and
+  descriptor passing each time) and fewer, larger frames on the receiver's side.
 - **pack** is the copy of each layer plus the checksum. Here all 30 copies are kept alive
   (377 MB at 16K), so every copy lands on fresh memory and pays the same first-touch page
   faults; when streaming, each copy is freed once sent and its memory is reused.
