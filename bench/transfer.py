@@ -9,12 +9,14 @@ wire does to bytes, time and output, all measured in one run.
 Throughput (KV of 1K, 4K, 16K tokens of the default model: 30 layers x K/V x 3 heads x 64,
 bf16, blocks of 16; random values, since 16K exceeds the model's 8K positions): the blob is
 packed first (per-layer copy + checksum, "pack"; in real use this runs inside the prefill,
-overlapped), then timed from connect to the receiver's verdict: header, ACCEPTED, 30 layer
-frames, trailer, COMMITTED. The receiver (another process for shm/tcp, a thread for inproc)
-runs the real BlobReader: every layer is received into a fresh tensor and checksummed.
-Ceilings in the same run: a plain `socket` loopback copy of the same bytes (one sendall per
-layer into recv_into of a preallocated buffer, another process, connect included) and a
-single-threaded `memcpy` (numpy copyto) of the same bytes into a filled buffer.
+overlapped), then timed from taking a channel to the receiver's verdict: header, ACCEPTED,
+30 layer frames, trailer, COMMITTED. Channels stay open between transfers, as KVSender
+keeps them (transport.ChannelPool; the warm-up round opens them). The receiver (another
+process for shm/tcp, a thread for inproc) runs the real BlobReader: every layer is received
+into a fresh tensor and checksummed. Ceilings in the same run: a plain `socket` loopback
+copy of the same bytes (one sendall per layer into recv_into of a preallocated buffer,
+another process, the connection kept open likewise) and a single-threaded `memcpy` (numpy
+copyto) of the same bytes into a filled buffer.
 
 Streaming (2K-token prompt, default model, bf16): engine A (this process, 2 threads,
 max_num_batched_tokens 2048: one prefill step) streams over TCP to engine B (another
@@ -52,7 +54,9 @@ from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, Frame
                                       ReplyOutcome, TransferReply, record_frame)
 from splitserve.transfer.layer_codec import Compression, layer_nbytes  # noqa: E402
 from splitserve.transfer.packing import pack_layer  # noqa: E402
-from splitserve.transfer.transport import Buffer, Channel, Transport, get_transport  # noqa: E402
+from splitserve.errors import TruncatedTransfer  # noqa: E402
+from splitserve.transfer.transport import (Buffer, ChannelPool, Transport,  # noqa: E402
+                                           get_transport)
 
 SIZES = [1024, 4096, 16384]
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M (checked against the GGUF below)
@@ -64,42 +68,50 @@ _RAW_ACK = b"k"
 
 # -- receivers (run in a child process, or a thread for inproc) -----------------------------
 def serve_blobs(transport: Transport, address_out: list[str], stop: threading.Event) -> None:
-    """Receives transfers one after another with the real reader (checksums, fresh tensors)."""
+    """Receives transfers one after another with the real reader (checksums, fresh tensors),
+    on each channel until its sender closes it."""
     listener = transport.listen()
     address_out.append(listener.address)
     while not stop.is_set():
         chan = listener.accept(time.monotonic() + 0.5)
         if chan is None:
             continue
-        deadline = time.monotonic() + DEADLINE_S
-        reader = BlobReader(chan)
-        header = reader.read_header(deadline)
-        chan.send(record_frame(FrameKind.REPLY, TransferReply(header.transfer_id,
-                                                              ReplyOutcome.ACCEPTED)), deadline)
-        for layer in range(header.num_layers):
-            reader.read_layer(header, layer, deadline)
-        reader.read_trailer(header, deadline)
-        chan.send(record_frame(FrameKind.REPLY, TransferReply(header.transfer_id,
-                                                              ReplyOutcome.COMMITTED)), deadline)
-        chan.close()
+        try:
+            while True:
+                deadline = time.monotonic() + DEADLINE_S
+                reader = BlobReader(chan)
+                header = reader.read_header(deadline)
+                chan.send(record_frame(FrameKind.REPLY, TransferReply(
+                    header.transfer_id, ReplyOutcome.ACCEPTED)), deadline)
+                for layer in range(header.num_layers):
+                    reader.read_layer(header, layer, deadline)
+                reader.read_trailer(header, deadline)
+                chan.send(record_frame(FrameKind.REPLY, TransferReply(
+                    header.transfer_id, ReplyOutcome.COMMITTED)), deadline)
+        except TruncatedTransfer:
+            pass  # the sender closed the channel
+        finally:
+            chan.close()
     listener.close()
 
 
 def serve_raw(address_out: list[str]) -> None:
-    """Plain sockets: `u64 length` then that many bytes into a preallocated buffer, ack."""
+    """Plain sockets: `u64 length` then that many bytes into a preallocated buffer, ack;
+    again on the same connection until the sender closes it."""
     srv = socket.create_server(("127.0.0.1", 0))
     address_out.append("raw://127.0.0.1:%d" % srv.getsockname()[1])
     buf = memoryview(bytearray(0))
     while True:
         conn, _ = srv.accept()
         with conn:
-            n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
-            if len(buf) < n:
-                buf = memoryview(bytearray(n))  # bytearray is zero-filled: pages are touched
-            got = 0
-            while got < n:
-                got += conn.recv_into(buf[got:n], min(n - got, 1 << 20))
-            conn.sendall(_RAW_ACK)
+            while (head := conn.recv(8, socket.MSG_WAITALL)):
+                n = int.from_bytes(head, "little")
+                if len(buf) < n:
+                    buf = memoryview(bytearray(n))  # bytearray is zero-filled: pages are touched
+                got = 0
+                while got < n:
+                    got += conn.recv_into(buf[got:n], min(n - got, 1 << 20))
+                conn.sendall(_RAW_ACK)
 
 
 def child_main(kind: str) -> None:
@@ -191,11 +203,15 @@ def make_blob(num_tokens: int, compression: Compression, seed: int) -> Blob:
                 layers, pack_s)
 
 
-def send_blob(transport: Transport, address: str, blob: Blob) -> float:
-    """Seconds from connect to the receiver's COMMITTED."""
+_CHANNELS = ChannelPool()
+_RAW_SOCKETS: dict[str, socket.socket] = {}
+
+
+def send_blob(address: str, blob: Blob) -> float:
+    """Seconds from taking a channel to the receiver's COMMITTED."""
     t0 = time.perf_counter()
     deadline = time.monotonic() + DEADLINE_S
-    chan: Channel = transport.connect(address, deadline)
+    chan, _ = _CHANNELS.acquire(address, deadline)
     reader = BlobReader(chan)
     chan.send(blob.frames[0], deadline)
     assert reader.read_reply(deadline).outcome == ReplyOutcome.ACCEPTED
@@ -203,21 +219,23 @@ def send_blob(transport: Transport, address: str, blob: Blob) -> float:
         chan.send(parts, deadline)
     assert reader.read_reply(deadline).outcome == ReplyOutcome.COMMITTED
     elapsed = time.perf_counter() - t0
-    chan.close()
+    _CHANNELS.release(address, chan)
     return elapsed
 
 
 def send_raw(address: str, layers: Sequence[torch.Tensor]) -> float:
-    host, port = address.removeprefix("raw://").rsplit(":", 1)
     views = [t.reshape(-1).view(torch.uint8).numpy().data for t in layers]
     total = sum(len(v) for v in views)
     t0 = time.perf_counter()
-    with socket.create_connection((host, int(port))) as sock:
+    sock = _RAW_SOCKETS.get(address)
+    if sock is None:
+        host, port = address.removeprefix("raw://").rsplit(":", 1)
+        sock = _RAW_SOCKETS[address] = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(total.to_bytes(8, "little"))
-        for v in views:
-            sock.sendall(v)
-        assert sock.recv(1) == _RAW_ACK
+    sock.sendall(total.to_bytes(8, "little"))
+    for v in views:
+        sock.sendall(v)
+    assert sock.recv(1) == _RAW_ACK
     return time.perf_counter() - t0
 
 
@@ -254,8 +272,8 @@ def run_throughput(sizes: Sequence[int], reps: int) -> tuple[list[list[object]],
                                                              "raw", "memcpy")}
             for _ in range(reps + 1):  # the first round warms up (page faults, autotuning)
                 for name in ("inproc", "shm", "tcp"):
-                    times[name].append(send_blob(get_transport(name), addresses[name], blob))
-                times["tcp int8"].append(send_blob(get_transport("tcp"), addresses["tcp"], blob8))
+                    times[name].append(send_blob(addresses[name], blob))
+                times["tcp int8"].append(send_blob(addresses["tcp"], blob8))
                 times["raw"].append(send_raw(addresses["raw"], blob.layers))
                 times["memcpy"].append(memcpy(blob.layers, dst))
             times = {k: v[1:] for k, v in times.items()}
@@ -273,6 +291,10 @@ def run_throughput(sizes: Sequence[int], reps: int) -> tuple[list[list[object]],
                             "(target >= 50%)")
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
     finally:
+        _CHANNELS.close()
+        for sock in _RAW_SOCKETS.values():
+            sock.close()
+        _RAW_SOCKETS.clear()
         stop.set()
         for child in children.values():
             child.close()

@@ -66,6 +66,10 @@ class _Pipe:
                     self._chunks[0] = head[n:]
                 self._cond.notify_all()
 
+    def is_idle_open(self) -> bool:
+        with self._cond:
+            return not (self._chunks or self._writer_closed or self._reader_closed)
+
     def close_writer(self) -> None:
         with self._cond:
             self._writer_closed = True
@@ -102,6 +106,9 @@ class InProcChannel(Channel):
     def close(self) -> None:
         self._out.close_writer()
         self._in.close_reader()
+
+    def is_idle_open(self) -> bool:
+        return self._in.is_idle_open() and self._out.is_idle_open()
 
 
 class InProcListener(Listener):

@@ -34,7 +34,8 @@ from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, Frame
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, layer_nbytes
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
-from splitserve.transfer.transport import Channel, Listener, TransferState, scheme
+from splitserve.transfer.transport import (RECEIVER_IDLE_S, Channel, Listener, TransferState,
+                                           scheme)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._activity = threading.Event()  # set by readers when poll() has work
+        self._channels: set[Channel] = set()  # open incoming channels (busy or idle)
         self._kv_dtype = DTYPE_NAMES[engine.kv_cache.dtype]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name="kv-accept")
@@ -163,6 +165,10 @@ class KVReceiver:
         self.listener.close()
         for imp in list(self._imports.values()):
             imp.fail(TransferCancelled("the KV receiver was closed"), close=True)
+        with self._lock:
+            channels = list(self._channels)
+        for channel in channels:
+            channel.close()  # wakes readers waiting on idle channels
         self.poll()
         self._accept_thread.join(timeout=5)
 
@@ -195,24 +201,29 @@ class KVReceiver:
                                  name="kv-recv").start()
 
     def _serve(self, channel: Channel) -> None:
+        """Receives transfers on one channel, one after another, until the sender closes
+        it, it stays idle for RECEIVER_IDLE_S, or a transfer on it fails."""
+        with self._lock:
+            self._channels.add(channel)
         try:
-            imp = self._receive(channel)
-            if imp is not None:  # the trailer arrived: wait for the engine thread's verdict
-                imp.settled.wait(max(0.0, imp.deadline - time.monotonic()) + 1.0)
-                self._send_reply(channel, self._verdict(imp.handle, ReplyOutcome.COMMITTED))
+            deadline = time.monotonic() + self.header_timeout_s
+            while not self._closed.is_set() and self._receive(channel, deadline):
+                deadline = time.monotonic() + RECEIVER_IDLE_S
         finally:
+            with self._lock:
+                self._channels.discard(channel)
             channel.close()
 
-    def _receive(self, channel: Channel) -> _Import | None:
-        """Reads one transfer; the import once its trailer arrived, None if it failed or was
-        a duplicate (already answered)."""
+    def _receive(self, channel: Channel, header_deadline: float) -> bool:
+        """Serves one transfer. True when it ended in step with the sender (committed, or
+        answered at its header), so that the channel can carry the next one."""
         reader = BlobReader(channel)
         imp = None
         try:
-            header = reader.read_header(time.monotonic() + self.header_timeout_s)
+            header = reader.read_header(header_deadline)
             imp = self._claim(header.transfer_id, channel)
             if imp is None:
-                return None
+                return True  # a duplicate or unknown transfer, answered at its header
             tel = imp.handle.telemetry
             t0 = time.perf_counter()
             self._check_header(imp, header)
@@ -235,24 +246,28 @@ class KVReceiver:
             self._activity.set()
             tel.wire_s = time.monotonic() - wire_start
             tel.wire_bytes = reader.num_bytes
-            return imp
         except KVTransferError as exc:
             if imp is None:  # nothing claimed: answer this channel only
                 self._send_reply(channel, TransferReply(
                     "", ReplyOutcome.REJECTED, type(exc).__name__, str(exc)))
-                return None
+                return False
             imp.fail(exc, close=False)
         except Exception as exc:  # a bug: fail the import, never hang it
             logger.exception("KV receive failed")
             if imp is None:
-                return None
+                return False
             imp.fail(KVTransferError(f"internal error while receiving: {exc!r}"), close=False)
+        else:  # the trailer arrived: wait for the engine thread's verdict
+            imp.settled.wait(max(0.0, imp.deadline - time.monotonic()) + 1.0)
+            verdict = self._verdict(imp.handle, ReplyOutcome.COMMITTED)
+            self._send_reply(channel, verdict)
+            return verdict.outcome == ReplyOutcome.COMMITTED
         self._activity.set()
         # Failed: reply at once (nothing can commit any more: the error is set).
         assert imp is not None and imp.error is not None
         self._send_reply(channel, TransferReply(imp.plan.transfer_id, ReplyOutcome.REJECTED,
                                                 type(imp.error).__name__, str(imp.error)))
-        return None
+        return False
 
     def _claim(self, transfer_id: str, channel: Channel) -> _Import | None:
         """The import this channel delivers; None (after replying) for duplicates and

@@ -35,7 +35,8 @@ from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.layer_codec import Compression, layer_nbytes
 from splitserve.transfer.packing import build_header, pack_layer
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
-from splitserve.transfer.transport import Buffer, Channel, get_transport, remaining, scheme
+from splitserve.transfer.transport import (Buffer, Channel, ChannelPool, TransferState,
+                                           remaining, scheme)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class KVSender:
         self._streaming_batch: ScheduledBatch | None = None
         self._chained = engine.layer_listener
         engine.layer_listener = self._on_layer
+        self._channels = ChannelPool()  # open channels to receivers, kept between transfers
 
     # -- engine thread ------------------------------------------------------------------------
     def start(self, request_id: str, plan: TransferPlan, *, namespace: str | None = None,
@@ -195,6 +197,7 @@ class KVSender:
                 export.thread.join(timeout=5)
         if self.engine.layer_listener == self._on_layer:
             self.engine.layer_listener = self._chained
+        self._channels.close()
 
     # -- inside the forward pass (engine thread) --------------------------------------------
     def _on_layer(self, layer: int, batch: ScheduledBatch) -> None:
@@ -301,8 +304,11 @@ class KVSender:
             logger.exception("KV send of %s failed", export.plan.request_id)
             export.fail(KVTransferError(f"internal error while sending: {exc!r}"))
         finally:
-            if export.channel is not None:
-                export.channel.close()
+            channel, export.channel = export.channel, None
+            if channel is not None and export.handle.poll().state == TransferState.DONE:
+                self._channels.release(export.plan.address, channel)  # in step: reuse it
+            elif channel is not None:
+                channel.close()
 
     def _stream(self, export: _Export) -> None:
         header, tel, deadline = export.header, export.handle.telemetry, export.deadline
@@ -311,14 +317,12 @@ class KVSender:
             raise KVTransferError("fault injection: this transfer is dropped")
         if fault == "delay":
             time.sleep(min(delay_s, remaining(deadline, "delaying the send (fault injection)")))
-        export.channel = get_transport(scheme(export.plan.address)).connect(
-            export.plan.address, deadline)
-        if export.handle.poll().is_terminal:  # failed/cancelled while connecting
-            return
-        reader = export.reader = BlobReader(export.channel)
-        self._send(export, record_frame(FrameKind.HEADER, header))
         # The receiver checks the header before any KV is sent (meanwhile the prefill runs).
-        reply = reader.read_reply(deadline)
+        reply = self._offer(export)
+        if reply is None:  # failed or cancelled while connecting
+            return
+        reader = export.reader
+        assert reader is not None
         if reply.outcome != ReplyOutcome.ACCEPTED:
             self._finish(export, reply)
             return
@@ -338,6 +342,28 @@ class KVSender:
         self._send(export, record_frame(FrameKind.TRAILER, BlobTrailer(
             header.transfer_id, header.num_layers, job.first_token_id)))
         self._finish(export, reader.read_reply(deadline))
+
+    def _offer(self, export: _Export) -> TransferReply | None:
+        """Sends the header on a channel to the receiver and returns its answer; None if the
+        transfer ended meanwhile. A reused channel that breaks before the answer (its
+        receiver restarted, or closed it as idle) gets one retry on a fresh channel."""
+        frame = record_frame(FrameKind.HEADER, export.header)
+        while True:
+            channel, reused = self._channels.acquire(export.plan.address, export.deadline)
+            export.channel, export.reader = channel, BlobReader(channel)
+            if export.handle.poll().is_terminal:  # fail() missed the new channel: close it
+                channel.close()
+                return None
+            export.handle.telemetry.reused_channel = reused
+            try:
+                self._send(export, frame)
+                return export.reader.read_reply(export.deadline)
+            except TruncatedTransfer:
+                if not reused or export.handle.poll().is_terminal:
+                    raise
+                logger.debug("idle KV channel to %s was closed; reconnecting",
+                             export.plan.address)
+                channel.close()
 
     def _finish(self, export: _Export, reply: TransferReply) -> None:
         tel, now = export.handle.telemetry, time.monotonic()

@@ -2,7 +2,7 @@
 and credits through a Unix socket.
 
     connector                                      acceptor
-    memfd ring A (64 MiB)  ==== bytes ====>        mmap of ring A
+    memfd ring A (4 MiB)   ==== bytes ====>        mmap of ring A
     mmap of ring B         <=== replies ====       (ring B, 1 MiB, made by the connector)
     Unix socket            <--- DATA(total written) / CREDIT(total read) --->
 
@@ -19,18 +19,15 @@ socket doubles as the liveness signal: a peer that dies closes it, and the other
 the stream end at once.
 Addresses are `shm://<path of the Unix socket>`.
 
-Rings are reused: first-touch page faults made a fresh ring ~14x slower than memcpy on
-the machines we measured (docs/benchmarks.md). The connector returns a channel's rings to
-its transport's pool when the transfer ended cleanly (every byte credited both ways, the
-peer closed first, closed by the thread that used it); the acceptor keeps its mappings of
-recently seen rings (by memfd inode), so a reused ring is neither faulted nor remapped.
+A channel keeps its rings for life, and a sender keeps channels open between transfers
+(transport.ChannelPool): first-touch page faults made a fresh ring ~14x slower than memcpy
+on the machines we measured (docs/benchmarks.md), so only a channel's first transfer pays
+them.
 """
 from __future__ import annotations
 
 import mmap
 import os
-from collections import OrderedDict
-from dataclasses import dataclass
 import shutil
 import socket
 import struct
@@ -39,14 +36,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from splitserve.errors import (BlobFormatError, KVTransferError, TransferRejected,
-                               TransferTimeout, TruncatedTransfer)
+from splitserve.errors import (BlobFormatError, TransferRejected, TransferTimeout,
+                               TruncatedTransfer)
 from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, close_socket,
                                            register_transport, remaining)
 
 DATA_RING_BYTES = 4 << 20  # connector -> acceptor (the KV direction); stays in cache
-MAX_POOLED_RINGS = 4  # free ring pairs a connector keeps per transport
-MAX_CACHED_MAPPINGS = 8  # ring pairs an acceptor keeps mapped
 REPLY_RING_BYTES = 1 << 20  # acceptor -> connector (replies)
 # Post a DATA doorbell every CHUNK bytes so the reader copies out while the writer copies in.
 CHUNK = 256 << 10
@@ -56,32 +51,9 @@ _CTL = struct.Struct("<BQ")  # kind, cumulative byte count
 _DATA, _CREDIT = 1, 2
 
 
-@dataclass(slots=True)
-class _Rings:
-    """A connector's pair of rings: memfds (kept open for reuse) and their mappings."""
-    data_fd: int
-    reply_fd: int
-    data: mmap.mmap
-    reply: mmap.mmap
-
-    @staticmethod
-    def create(data_bytes: int, reply_bytes: int) -> _Rings:
-        data_fd = os.memfd_create("splitserve-kv-data")
-        reply_fd = os.memfd_create("splitserve-kv-reply")
-        os.ftruncate(data_fd, data_bytes)
-        os.ftruncate(reply_fd, reply_bytes)
-        return _Rings(data_fd, reply_fd, mmap.mmap(data_fd, data_bytes),
-                      mmap.mmap(reply_fd, reply_bytes))
-
-    def discard(self) -> None:
-        os.close(self.data_fd)
-        os.close(self.reply_fd)  # the mappings go when their last view does
-
-
 class ShmChannel(Channel):
-    def __init__(self, transport: ShmTransport, sock: socket.socket,
-                 rings: _Rings | None = None) -> None:
-        self._transport = transport
+    def __init__(self, sock: socket.socket,
+                 rings: tuple[mmap.mmap, mmap.mmap] | None = None) -> None:
         self._sock = sock
         self._closed = False
         self._close_lock = threading.Lock()
@@ -90,12 +62,10 @@ class ShmChannel(Channel):
         self._written = self._credited = 0  # my outgoing ring
         self._available = self._consumed = 0  # the peer's ring (my incoming)
         self._told_written = self._told_consumed = 0  # what the last DATA / CREDIT said
-        self._rings = rings  # connector side: owned, returned to the pool if clean
-        self._owner: int | None = None  # thread that last sent or received
         self._out: memoryview | None = None
         self._in: memoryview | None = None
-        if rings is not None:
-            self._out, self._in = memoryview(rings.data), memoryview(rings.reply)
+        if rings is not None:  # connector: (data, reply); the acceptor maps them on first use
+            self._out, self._in = memoryview(rings[0]), memoryview(rings[1])
 
     def _handshake(self, deadline: float) -> None:
         """Acceptor side: receive the rings' descriptors (lazily, on first use, so `accept`
@@ -113,16 +83,13 @@ class ShmChannel(Channel):
             magic, to_me, to_peer = _HELLO.unpack(msg)
             if magic != _HELLO_MAGIC:
                 raise BlobFormatError("bad shared-memory handshake magic")
-            data = self._transport._mapping(fds[0], to_me)
-            reply = self._transport._mapping(fds[1], to_peer)
+            self._in, self._out = _map(fds[0], to_me), _map(fds[1], to_peer)
         finally:
             for fd in fds:
                 os.close(fd)
-        self._in, self._out = memoryview(data), memoryview(reply)
 
     # -- byte stream ------------------------------------------------------------------------
     def send(self, parts: Sequence[Buffer], deadline: float) -> None:
-        self._owner = threading.get_ident()
         if self._out is None:
             self._handshake(deadline)
         assert self._out is not None
@@ -148,7 +115,6 @@ class ShmChannel(Channel):
         self._tell_written()
 
     def recv_into(self, buf: memoryview, deadline: float) -> None:
-        self._owner = threading.get_ident()
         if self._in is None:
             self._handshake(deadline)
         assert self._in is not None
@@ -179,28 +145,26 @@ class ShmChannel(Channel):
             if self._closed:
                 return
             self._closed = True
-        self._tell_consumed()  # the connector reuses its rings only if all was credited
-        rings, self._rings = self._rings, None
-        if rings is not None and self._owner == threading.get_ident() and self._drained():
-            self._transport._pool(rings)
-            rings = None
         close_socket(self._sock)  # wakes a thread blocked on it
-        if rings is not None:
-            rings.discard()
-        # Mappings are not closed here: another thread may still be copying out of one
-        # (they go with their last view), and the acceptor's are cached by the transport.
+        # Mappings are not closed here: another thread may still be copying out of one;
+        # they go with their last view.
 
-    def _drained(self) -> bool:
-        """Connector, done: true once the peer closed after consuming all we wrote and we
-        consumed all it wrote; then nobody touches the rings any more and they can be reused."""
-        try:
-            self._sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + 1.0
-            while not self._peer_gone:
-                self._pump(deadline, "shared-memory close")
-        except (OSError, KVTransferError):
+    def is_idle_open(self) -> bool:
+        if self._closed or self._peer_gone:
             return False
-        return self._written == self._credited and self._available == self._consumed
+        try:
+            self._sock.settimeout(0.0)  # non-blocking: a timeout would make recv wait
+            data = self._sock.recv(4096)
+        except BlockingIOError:
+            data = None
+        except OSError:
+            return False
+        if data == b"":
+            self._peer_gone = True
+            return False
+        if data:
+            self._apply(data)  # e.g. the credit for the end of the last transfer
+        return self._available == self._consumed
 
     # -- control messages -------------------------------------------------------------------
     def _tell_written(self) -> None:
@@ -239,6 +203,9 @@ class ShmChannel(Channel):
         if not data:
             self._peer_gone = True
             return
+        self._apply(data)
+
+    def _apply(self, data: bytes) -> None:
         self._ctl_buf += data
         whole = len(self._ctl_buf) - len(self._ctl_buf) % _CTL.size
         for kind, total in _CTL.iter_unpack(bytes(self._ctl_buf[:whole])):
@@ -252,8 +219,7 @@ class ShmChannel(Channel):
 
 
 class ShmListener(Listener):
-    def __init__(self, transport: ShmTransport, path: str | None) -> None:
-        self._transport = transport
+    def __init__(self, path: str | None) -> None:
         self._dir = None if path else tempfile.mkdtemp(prefix="splitserve-shm-")
         self._path = path or os.path.join(self._dir or "", "kv.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -271,7 +237,7 @@ class ShmListener(Listener):
             conn, _ = self._sock.accept()
         except (TimeoutError, OSError):
             return None
-        return ShmChannel(self._transport, conn)
+        return ShmChannel(conn)
 
     def close(self) -> None:
         if self._closed:
@@ -293,12 +259,9 @@ class ShmTransport(Transport):
     def __init__(self, data_ring_bytes: int = DATA_RING_BYTES,
                  reply_ring_bytes: int = REPLY_RING_BYTES) -> None:
         self.data_ring_bytes, self.reply_ring_bytes = data_ring_bytes, reply_ring_bytes
-        self._lock = threading.Lock()
-        self._free: list[_Rings] = []  # connector: rings of cleanly finished channels
-        self._mapped: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()  # acceptor
 
     def listen(self, address: str | None = None) -> Listener:
-        return ShmListener(self, address.removeprefix("shm://") if address else None)
+        return ShmListener(address.removeprefix("shm://") if address else None)
 
     def connect(self, address: str, deadline: float) -> Channel:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -312,44 +275,30 @@ class ShmTransport(Transport):
             sock.close()
             raise TransferRejected(f"cannot connect to the KV receiver at {address}: {exc}; "
                                    "is the decode worker up on this host?") from None
-        with self._lock:
-            rings = self._free.pop() if self._free else None
+        fds: list[int] = []
         try:
-            rings = rings or _Rings.create(self.data_ring_bytes, self.reply_ring_bytes)
+            for name, size in (("data", self.data_ring_bytes), ("reply", self.reply_ring_bytes)):
+                fds.append(os.memfd_create(f"splitserve-kv-{name}"))
+                os.ftruncate(fds[-1], size)
+            rings = (mmap.mmap(fds[0], self.data_ring_bytes),
+                     mmap.mmap(fds[1], self.reply_ring_bytes))
             socket.send_fds(sock, [_HELLO.pack(_HELLO_MAGIC, self.data_ring_bytes,
-                                               self.reply_ring_bytes)],
-                            [rings.data_fd, rings.reply_fd])
+                                               self.reply_ring_bytes)], fds)
         except OSError as exc:
-            if rings is not None:
-                rings.discard()
             sock.close()
             raise TransferRejected(f"shared-memory handshake with {address} failed: {exc}") from None
-        return ShmChannel(self, sock, rings)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings (ours, then the acceptor's) keep the memory
+        return ShmChannel(sock, rings)
 
-    def _pool(self, rings: _Rings) -> None:
-        with self._lock:
-            if len(self._free) < MAX_POOLED_RINGS:
-                self._free.append(rings)
-                return
-        rings.discard()
 
-    def _mapping(self, fd: int, size: int) -> mmap.mmap:
-        """Acceptor: a mapping of the memfd `fd` (of `size` bytes), reused when the same ring
-        (same inode) was seen before."""
-        stat = os.fstat(fd)
-        if stat.st_size != size:
-            raise BlobFormatError(f"shared-memory ring has {stat.st_size} bytes, the "
-                                  f"handshake said {size}")
-        key = (stat.st_dev, stat.st_ino)
-        with self._lock:
-            mapping = self._mapped.get(key)
-            if mapping is not None and len(mapping) == size:
-                self._mapped.move_to_end(key)
-                return mapping
-            mapping = self._mapped[key] = mmap.mmap(fd, size)
-            while len(self._mapped) > MAX_CACHED_MAPPINGS:
-                self._mapped.popitem(last=False)
-            return mapping
+def _map(fd: int, size: int) -> memoryview:
+    """Acceptor: a view of the memfd `fd`, which must have `size` bytes."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise BlobFormatError(f"shared-memory ring has {actual} bytes, the handshake said {size}")
+    return memoryview(mmap.mmap(fd, size))
 
 
 register_transport("shm", ShmTransport)

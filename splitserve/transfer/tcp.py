@@ -85,6 +85,18 @@ class TcpChannel(Channel):
             self._closed = True
         close_socket(self._sock)  # wakes a thread blocked on it
 
+    def is_idle_open(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._sock.settimeout(0.0)  # non-blocking: a timeout would make recv wait
+            self._sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True  # nothing to read, not closed
+        except OSError:
+            return False
+        return False  # the end of the stream, or bytes nobody asked for
+
 
 class TcpListener(Listener):
     def __init__(self, host: str, port: int) -> None:

@@ -35,6 +35,7 @@ class TransferTelemetry:
     validate_s: float = 0.0  # receiver: header checks, checksums, dequantization
     place_s: float = 0.0  # receiver: write_kv_layer + commit_kv on the engine thread
     total_s: float = 0.0  # start (plan / start()) to the terminal state
+    reused_channel: bool = False  # sender: on a channel kept open from an earlier transfer
     # Sender, layer-wise streaming: layers copied out inside the forward pass, wire time
     # that ran while the prefill step still computed, and the time from the end of that
     # step to the receiver's reply (what the decode side waits beyond the prefill).

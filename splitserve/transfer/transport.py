@@ -14,11 +14,13 @@ a transport knows nothing about KV. Every blocking call takes an absolute deadli
 
 Errors are typed: `TransferTimeout` at a deadline, `TruncatedTransfer` when the peer closed
 or died (or `close()` was called from another thread, which wakes a blocked call).
+A channel carries one transfer after another: senders keep idle ones in a `ChannelPool`.
 """
 from __future__ import annotations
 
 import importlib
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -73,6 +75,12 @@ class Channel(ABC):
     def close(self) -> None:
         """Releases the channel; idempotent. The peer's next read sees the stream end."""
 
+    def is_idle_open(self) -> bool:
+        """Between transfers: True while both ends are open and nothing unread is pending;
+        never blocks. A transport that cannot tell says False, and its channels are never
+        reused (see ChannelPool)."""
+        return False
+
 
 class Listener(ABC):
     """A receiver's endpoint: peers connect to `address`."""
@@ -98,6 +106,61 @@ class Transport(ABC):
     @abstractmethod
     def connect(self, address: str, deadline: float) -> Channel:
         """Opens a channel to the listener at `address` (as its `address` attribute says)."""
+
+
+# A sender reuses a channel idle at most this long; a receiver closes a channel idle for
+# RECEIVER_IDLE_S, much longer, so a channel that passed the sender's liveness check is
+# not closed under its next transfer (unless the receiver died, which the sender sees).
+MAX_IDLE_S = 60.0
+RECEIVER_IDLE_S = 5 * MAX_IDLE_S
+
+
+class ChannelPool:
+    """Idle channels kept open between transfers, by address, so that a transfer does not
+    pay a connection, a handshake and fresh (page-faulting) buffers every time.
+
+    A channel goes back (`release`) only after a transfer ended cleanly on it, so its
+    stream is at a frame boundary on both ends; anything else closes it. `acquire` checks
+    an idle channel without blocking (`Channel.is_idle_open`) before handing it out, but
+    the receiver may still have gone since: the caller tells a failure on a reused channel
+    before any reply apart, and retries once on a fresh one.
+    """
+
+    def __init__(self, max_idle_per_address: int = 4, max_idle_s: float = MAX_IDLE_S) -> None:
+        self.max_idle_per_address, self.max_idle_s = max_idle_per_address, max_idle_s
+        self._idle: dict[str, list[tuple[float, Channel]]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def acquire(self, address: str, deadline: float) -> tuple[Channel, bool]:
+        """A channel to `address`, and whether it is a reused one."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                since, channel = idle.pop() if idle else (0.0, None)
+            if channel is None:
+                return get_transport(scheme(address)).connect(address, deadline), False
+            if time.monotonic() - since < self.max_idle_s and channel.is_idle_open():
+                return channel, True
+            channel.close()
+
+    def release(self, address: str, channel: Channel) -> None:
+        """Keeps `channel`, whose last transfer ended cleanly, for the next transfer."""
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if not self._closed and len(idle) < self.max_idle_per_address:
+                idle.append((time.monotonic(), channel))
+                return
+        channel.close()
+
+    def close(self) -> None:
+        """Closes every idle channel; channels released later are closed at once."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for entries in idle.values():
+            for _, channel in entries:
+                channel.close()
 
 
 def remaining(deadline: float, what: str) -> float:

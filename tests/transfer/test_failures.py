@@ -254,3 +254,32 @@ def test_expect_waits_for_room_and_close_frees_everything(make_pair: Callable[..
     pair.receiver.close()  # fails r1's import and releases its blocks
     pair.b.engine.abort("r2")
     assert pair.a.engine.kv.pool.num_used_blocks == pair.b.engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("check_sees_it", [True, False])
+def test_idle_channel_to_a_restarted_receiver_is_replaced(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, transport: str,
+        check_sees_it: bool) -> None:
+    """The decode side restarts at the same address between two transfers: the sender's
+    idle channel is dead. Either the liveness check sees it, or (the receiver went just
+    after the check) the header send fails and the sender retries on a fresh channel."""
+    pair = make_pair(transport)
+    _, first, _ = pair.handoff("r1", PROMPT, PARAMS)
+    assert first.poll().state == TransferState.DONE
+    address = pair.receiver.address
+    pair.receiver.close()
+    if transport == "shm":  # the first listener's private directory went with it
+        Path(address.removeprefix("shm://")).parent.mkdir()
+    listener = get_transport(transport).listen(address)
+    pair.receiver = type(pair.receiver)(pair.b.engine, listener)
+    if not check_sees_it:
+        for cls in {type(c) for idle in pair.sender._channels._idle.values() for _, c in idle}:
+            monkeypatch.setattr(cls, "is_idle_open", lambda self: True)
+    tokens, second, _ = pair.handoff("r2", PROMPT, PARAMS)
+    assert second.poll().state == TransferState.DONE
+    assert not second.telemetry.reused_channel  # a fresh channel carried it
+    assert tokens == pair.a.generate(PROMPT, PARAMS)[0].token_ids
+    if transport == "shm":
+        pair.receiver.close()
+        Path(address.removeprefix("shm://")).parent.rmdir()

@@ -193,3 +193,16 @@ def test_resume_through_a_kv_handoff(make_pair) -> None:
     recv = pair.receiver_handle(plan)
     pair.pump(send, recv)
     assert pair.decode(recv) == full
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_consecutive_transfers_share_one_channel(make_pair: Callable[..., Pair],
+                                                 reference: Callable, transport: str) -> None:
+    pair = make_pair(transport)
+    sends = []
+    for i in range(3):
+        prompt = list(range(100 * i, 100 * i + 21))
+        tokens, send, _ = pair.handoff(f"c{i}", prompt, GREEDY)
+        assert tokens == reference(prompt, GREEDY)
+        sends.append(send)
+    assert [s.telemetry.reused_channel for s in sends] == [False, True, True]

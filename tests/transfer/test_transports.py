@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,7 +13,8 @@ from splitserve.errors import TransferRejected, TransferTimeout, TruncatedTransf
 from splitserve.transfer.inproc import InProcTransport
 from splitserve.transfer.shm import ShmTransport
 from splitserve.transfer.tcp import TcpTransport
-from splitserve.transfer.transport import Channel, Transport, get_transport, supported_transports
+from splitserve.transfer.transport import (Channel, ChannelPool, Transport, get_transport,
+                                           supported_transports)
 
 
 def _small(name: str) -> Transport:
@@ -134,3 +135,83 @@ def test_a_reply_sent_before_the_peer_closed_outlives_our_failed_send(
             sender.send([bytes(4 << 20)], time.monotonic() + 10)
     peer.join(timeout=10)
     assert _recv(sender, 2) == b"no"
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Polls `predicate` (a close takes a moment to reach the other end on some transports)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_idle_channel_knows_whether_it_can_carry_more(
+        channel_pair: tuple[Channel, Channel]) -> None:
+    sender, receiver = channel_pair
+    for _ in range(2):  # wraps the 1 MiB shm ring
+        sender.send([os.urandom(700 << 10)], time.monotonic() + 10)
+        _recv(receiver, 700 << 10)
+    receiver.send([b"ok"], time.monotonic() + 5)
+    assert _recv(sender, 2) == b"ok"
+    assert sender.is_idle_open() and receiver.is_idle_open()  # in step: reusable
+    assert sender.is_idle_open()  # the check consumes nothing
+    receiver.send([b"unasked"], time.monotonic() + 5)
+    assert _wait_until(lambda: not sender.is_idle_open())  # bytes nobody read: out of step
+    receiver.close()
+    assert not receiver.is_idle_open()
+
+
+def test_an_idle_channel_sees_its_peer_close(channel_pair: tuple[Channel, Channel]) -> None:
+    sender, receiver = channel_pair
+    assert sender.is_idle_open()
+    receiver.close()
+    assert _wait_until(lambda: not sender.is_idle_open())
+
+
+@pytest.mark.parametrize("name", ["inproc", "shm", "tcp"])
+def test_channel_pool_reuses_idle_channels_that_are_alive(name: str) -> None:
+    listener = get_transport(name).listen()
+    pool = ChannelPool(max_idle_per_address=1)
+    accepted: list[Channel] = []
+    try:
+        first, reused = pool.acquire(listener.address, time.monotonic() + 5)
+        assert not reused
+        first.send([b"ping"], time.monotonic() + 5)
+        peer = listener.accept(time.monotonic() + 5)
+        assert peer is not None
+        accepted.append(peer)
+        assert _recv(peer, 4) == b"ping"
+        pool.release(listener.address, first)
+        assert pool.acquire(listener.address, time.monotonic() + 5) == (first, True)
+        extra, reused = pool.acquire(listener.address, time.monotonic() + 5)  # none idle
+        assert extra is not first and not reused
+        pool.release(listener.address, first)
+        pool.release(listener.address, extra)  # over max_idle_per_address: closed
+        assert extra.is_idle_open() is False
+        peer.close()  # the receiver goes away: its idle channel is not handed out
+        assert _wait_until(lambda: not first.is_idle_open())
+        fresh, reused = pool.acquire(listener.address, time.monotonic() + 5)
+        assert fresh is not first and not reused
+        pool.release(listener.address, fresh)
+        pool.close()  # closes idle channels: the receiver sees the stream end
+        assert not fresh.is_idle_open()
+    finally:
+        pool.close()
+        for chan in accepted:
+            chan.close()
+        listener.close()
+
+
+def test_channel_pool_does_not_reuse_a_channel_idle_too_long() -> None:
+    listener = get_transport("inproc").listen()
+    pool = ChannelPool(max_idle_s=0.0)
+    try:
+        chan, _ = pool.acquire(listener.address, time.monotonic() + 5)
+        pool.release(listener.address, chan)
+        again, reused = pool.acquire(listener.address, time.monotonic() + 5)
+        assert again is not chan and not reused and not chan.is_idle_open()
+    finally:
+        pool.close()
+        listener.close()
