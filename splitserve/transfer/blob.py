@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import IntEnum
 from typing import Any, Protocol, TypeVar
@@ -201,7 +201,9 @@ class BlobReader:
     def __init__(self, source: ByteSource) -> None:
         self.source = source
         self.num_bytes = 0  # wire bytes read so far
+        self.checksum_s = 0.0  # time spent checksumming layer payloads
         self._prelude = bytearray(PRELUDE.size)
+        self._prelude_view = memoryview(self._prelude)
 
     def read_header(self, deadline: float) -> BlobHeader:
         header = self._read_record(FrameKind.HEADER, BlobHeader, deadline)
@@ -219,21 +221,19 @@ class BlobReader:
     def read_reply(self, deadline: float) -> TransferReply:
         return self._read_record(FrameKind.REPLY, TransferReply, deadline)
 
-    def read_layer(self, header: BlobHeader, layer: int, deadline: float,
-                   on_chunk: Callable[[float], None] | None = None) -> torch.Tensor:
-        """Layer `layer`'s [2, blocks, block_size, heads, dim] tensor in header.dtype.
-        `on_chunk(seconds)` is told how long each checksum update took (validation time)."""
+    def read_layer(self, header: BlobHeader, layer: int, deadline: float) -> torch.Tensor:
+        """Layer `layer`'s [2, blocks, block_size, heads, dim] tensor in header.dtype."""
         nbytes = header.layer_nbytes[layer]
         checksum = self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
         payload, view = empty_payload(nbytes)
         hasher = xxhash.xxh3_64()
         for off in range(0, nbytes, RECV_CHUNK):
             chunk = view[off:off + RECV_CHUNK]
-            self._recv(chunk, deadline)
+            self.source.recv_into(chunk, deadline)
             t0 = time.perf_counter()
             hasher.update(chunk)
-            if on_chunk is not None:
-                on_chunk(time.perf_counter() - t0)
+            self.checksum_s += time.perf_counter() - t0
+        self.num_bytes += nbytes
         if hasher.intdigest() != checksum:
             raise ChecksumMismatch(f"layer {layer} of transfer {header.transfer_id} fails its "
                                    f"{CHECKSUM} checksum: corrupted in transit; retry the "
@@ -265,7 +265,7 @@ class BlobReader:
         return checksum
 
     def _prelude_fields(self, deadline: float) -> tuple[bytes, int, int, int, int, int]:
-        self._recv(memoryview(self._prelude), deadline)
+        self._recv(self._prelude_view, deadline)
         magic, kind, flags, layer, size, checksum = PRELUDE.unpack(self._prelude)
         if magic != MAGIC or flags != 0:
             raise BlobFormatError(f"bad frame prelude (magic {magic!r}, flags {flags}); the "

@@ -235,17 +235,15 @@ class KVReceiver:
             wire_start = time.monotonic()
             channel.send(record_frame(FrameKind.REPLY, TransferReply(
                 header.transfer_id, ReplyOutcome.ACCEPTED)), imp.deadline)
-
-            def on_chunk(seconds: float) -> None:
-                tel.validate_s += seconds
             for layer in range(header.num_layers):
-                kv = reader.read_layer(header, layer, imp.deadline, on_chunk)
+                kv = reader.read_layer(header, layer, imp.deadline)
                 imp.verified.append((layer, kv))
                 self._activity.set()
             imp.trailer = reader.read_trailer(header, imp.deadline)
             self._activity.set()
             tel.wire_s = time.monotonic() - wire_start
             tel.wire_bytes = reader.num_bytes
+            tel.validate_s += reader.checksum_s
         except KVTransferError as exc:
             if imp is None:  # nothing claimed: answer this channel only
                 self._send_reply(channel, TransferReply(

@@ -45,6 +45,10 @@ DATA_RING_BYTES = 4 << 20  # connector -> acceptor (the KV direction); stays in 
 REPLY_RING_BYTES = 1 << 20  # acceptor -> connector (replies)
 # Post a DATA doorbell every CHUNK bytes so the reader copies out while the writer copies in.
 CHUNK = 256 << 10
+# A side that waits for a doorbell polls the socket this long before it sleeps: waking a
+# sleeping process costs both sides tens of microseconds on a VM, and the peer of a
+# transfer in flight usually answers within this (measured: 1K-token transfers ~9% faster).
+SPIN_S = 200e-6
 _HELLO = struct.Struct("<4sQQ")  # magic, connector->acceptor ring bytes, reverse ring bytes
 _HELLO_MAGIC = b"SSHM"
 _CTL = struct.Struct("<BQ")  # kind, cumulative byte count
@@ -194,8 +198,7 @@ class ShmChannel(Channel):
         self._tell_written()
         self._tell_consumed()
         try:
-            self._sock.settimeout(remaining(deadline, what))
-            data = self._sock.recv(4096)
+            data = self._poll(deadline, what)
         except TimeoutError:
             raise TransferTimeout(f"{what} passed its deadline") from None
         except OSError:  # reset (the peer closed with our messages unread) or closed here
@@ -204,6 +207,20 @@ class ShmChannel(Channel):
             self._peer_gone = True
             return
         self._apply(data)
+
+    def _poll(self, deadline: float, what: str) -> bytes:
+        """The next control bytes: polled for up to SPIN_S, then waited for (a sleeping
+        peer costs a wake-up on both sides, each tens of microseconds on a VM)."""
+        self._sock.settimeout(0.0)
+        spin_end = time.perf_counter() + SPIN_S
+        while True:
+            try:
+                return self._sock.recv(4096)
+            except BlockingIOError:
+                if time.perf_counter() > spin_end:
+                    break
+        self._sock.settimeout(remaining(deadline, what))
+        return self._sock.recv(4096)
 
     def _apply(self, data: bytes) -> None:
         self._ctl_buf += data
