@@ -8,8 +8,10 @@ A transfer is a stream of frames; each frame is a fixed 24-byte prelude and a bo
     sender -> receiver   HEADER          LAYER 0 .. LAYER n-1, TRAILER
     receiver -> sender          REPLY(accepted | rejected | duplicate)     REPLY(committed | rejected)
 
-The receiver answers the header before any KV byte is sent (the sender waits for it), so
-an incompatible transfer costs one round trip, not the whole payload.
+The receiver answers the header as soon as it checked it; the sender does not wait for the
+answer but picks it up between layers and stops at a refusal, so an incompatible transfer
+costs about a round trip's worth of layers. The receiver drops the rest of a transfer it
+refused at the header (see receiver.py), which keeps the channel in step.
 
 HEADER, TRAILER and REPLY bodies are msgpack maps; LAYER bodies are raw K/V bytes
 (layer_codec.py). Nothing is unpickled. The reader checks every prelude field, the order of
@@ -55,7 +57,7 @@ class ReplyOutcome(IntEnum):
     COMMITTED = 0  # the receiver committed the KV
     DUPLICATE = 1  # this transfer was already committed; send nothing more
     REJECTED = 2  # the receiver refused or failed it; nothing was committed
-    ACCEPTED = 3  # the header fits the expected import: send the layers
+    ACCEPTED = 3  # the header fits the expected import: the layers will be kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,15 @@ class BlobReader:
                                    f"{CHECKSUM} checksum: corrupted in transit; retry the "
                                    "transfer")
         return decode_layer(payload, header.layer_shape, header.dtype, header.compression)
+
+    def skip_layer(self, header: BlobHeader, layer: int, deadline: float) -> None:
+        """Reads layer `layer`'s frame and drops it (unchecked: used to drain a refused
+        transfer)."""
+        nbytes = header.layer_nbytes[layer]
+        self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
+        scratch = memoryview(bytearray(min(nbytes, RECV_CHUNK)))
+        for off in range(0, nbytes, len(scratch)):
+            self._recv(scratch[:min(len(scratch), nbytes - off)], deadline)
 
     def _read_record(self, kind: FrameKind, cls: type[R], deadline: float) -> R:
         checksum, size = self._read_prelude_any(kind, deadline)

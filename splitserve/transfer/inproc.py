@@ -66,7 +66,7 @@ class _Pipe:
                     self._chunks[0] = head[n:]
                 self._cond.notify_all()
 
-    def is_idle_open(self) -> bool:
+    def is_quiet(self) -> bool:
         with self._cond:
             return not (self._chunks or self._writer_closed or self._reader_closed)
 
@@ -107,8 +107,8 @@ class InProcChannel(Channel):
         self._out.close_writer()
         self._in.close_reader()
 
-    def is_idle_open(self) -> bool:
-        return self._in.is_idle_open() and self._out.is_idle_open()
+    def is_quiet(self) -> bool:
+        return self._in.is_quiet() and self._out.is_quiet()
 
 
 class InProcListener(Listener):

@@ -5,7 +5,7 @@ place verified layers, and commit only when the whole range is verified.
     expect(rid) -> plan (blocks reserved)
                                           header: fingerprint, request, namespace, range,
                                                   block hashes, layout  -> reply ACCEPTED
-                                                                           or REJECTED
+                                                  (or REJECTED, then the rest is dropped)
                                           layer i: length, checksum -> verified queue
     poll(): write_kv_layer(verified)      trailer: first token
     poll(): all placed + trailer -> commit_kv     -> reply COMMITTED
@@ -216,14 +216,16 @@ class KVReceiver:
 
     def _receive(self, channel: Channel, header_deadline: float) -> bool:
         """Serves one transfer. True when it ended in step with the sender (committed, or
-        answered at its header), so that the channel can carry the next one."""
+        refused at its header and drained), so that the channel can carry the next one."""
         reader = BlobReader(channel)
-        imp = None
+        imp: _Import | None = None
+        header: BlobHeader | None = None
+        accepted = False
         try:
             header = reader.read_header(header_deadline)
             imp = self._claim(header.transfer_id, channel)
-            if imp is None:
-                return True  # a duplicate or unknown transfer, answered at its header
+            if imp is None:  # a duplicate or unknown transfer, answered at its header
+                return self._drain(reader, header)
             tel = imp.handle.telemetry
             t0 = time.perf_counter()
             self._check_header(imp, header)
@@ -235,6 +237,7 @@ class KVReceiver:
             wire_start = time.monotonic()
             channel.send(record_frame(FrameKind.REPLY, TransferReply(
                 header.transfer_id, ReplyOutcome.ACCEPTED)), imp.deadline)
+            accepted = True
             for layer in range(header.num_layers):
                 kv = reader.read_layer(header, layer, imp.deadline)
                 imp.verified.append((layer, kv))
@@ -265,7 +268,21 @@ class KVReceiver:
         assert imp is not None and imp.error is not None
         self._send_reply(channel, TransferReply(imp.plan.transfer_id, ReplyOutcome.REJECTED,
                                                 type(imp.error).__name__, str(imp.error)))
-        return False
+        return header is not None and not accepted and self._drain(reader, header)
+
+    def _drain(self, reader: BlobReader, header: BlobHeader) -> bool:
+        """Reads and drops the rest of a transfer refused at its header (its sender streams
+        on without waiting for the answer). The answer then reaches the sender (a TCP close
+        with unread bytes resets the connection and can discard it) and the channel stays
+        in step. A sender that saw the answer stops and closes: then False."""
+        try:
+            deadline = time.monotonic() + self.header_timeout_s
+            for layer in range(header.num_layers):
+                reader.skip_layer(header, layer, deadline)
+            reader.read_trailer(header, deadline)
+            return True
+        except KVTransferError:
+            return False
 
     def _claim(self, transfer_id: str, channel: Channel) -> _Import | None:
         """The import this channel delivers; None (after replying) for duplicates and

@@ -69,6 +69,7 @@ class _Export:
         self.send_spans: list[tuple[float, float]] = []
         self.channel: Channel | None = None
         self.reader: BlobReader | None = None
+        self.in_step = False  # the whole transfer and its answer crossed: channel reusable
         self.released = False
         self.thread: threading.Thread | None = None
 
@@ -305,8 +306,9 @@ class KVSender:
             export.fail(KVTransferError(f"internal error while sending: {exc!r}"))
         finally:
             channel, export.channel = export.channel, None
-            if channel is not None and export.handle.poll().state == TransferState.DONE:
-                self._channels.release(export.plan.address, channel)  # in step: reuse it
+            if channel is not None and export.in_step and (
+                    export.handle.poll().state == TransferState.DONE):
+                self._channels.release(export.plan.address, channel)
             elif channel is not None:
                 channel.close()
 
@@ -317,20 +319,23 @@ class KVSender:
             raise KVTransferError("fault injection: this transfer is dropped")
         if fault == "delay":
             time.sleep(min(delay_s, remaining(deadline, "delaying the send (fault injection)")))
-        # The receiver checks the header before any KV is sent (meanwhile the prefill runs).
-        reply = self._offer(export)
-        if reply is None:  # failed or cancelled while connecting
+        if not self._open(export):  # failed or cancelled while connecting
             return
-        reader = export.reader
-        assert reader is not None
-        if reply.outcome != ReplyOutcome.ACCEPTED:
-            self._finish(export, reply)
-            return
-        export.handle.mark_transferring()
+        reader, channel = export.reader, export.channel
+        assert reader is not None and channel is not None
+        # Layers follow the header without waiting: the receiver answers the header (ACCEPTED,
+        # or why not) while they flow, and the answer is picked up between layers.
+        accepted = False
         for layer in range(header.num_layers):
             job = self._next_job(export)
             assert isinstance(job, _LayerJob) and job.layer == layer, f"layer {layer} expected"
             tel.queue_s += time.monotonic() - job.enqueued
+            if not accepted and not channel.is_quiet():
+                reply = reader.read_reply(deadline)
+                if reply.outcome != ReplyOutcome.ACCEPTED:
+                    self._finish(export, reply)  # the channel is left mid-transfer: closed
+                    return
+                accepted = True
             t0 = time.perf_counter()
             parts = pack_layer(header, layer, job.kv)
             tel.pack_s += time.perf_counter() - t0
@@ -341,29 +346,24 @@ class KVSender:
         assert isinstance(job, _TrailerJob), "the trailer follows the last layer"
         self._send(export, record_frame(FrameKind.TRAILER, BlobTrailer(
             header.transfer_id, header.num_layers, job.first_token_id)))
-        self._finish(export, reader.read_reply(deadline))
+        reply = reader.read_reply(deadline)
+        if not accepted and reply.outcome == ReplyOutcome.ACCEPTED:
+            reply = reader.read_reply(deadline)
+        export.in_step = reply.outcome in (ReplyOutcome.COMMITTED, ReplyOutcome.DUPLICATE)
+        self._finish(export, reply)
 
-    def _offer(self, export: _Export) -> TransferReply | None:
-        """Sends the header on a channel to the receiver and returns its answer; None if the
-        transfer ended meanwhile. A reused channel that breaks before the answer (its
-        receiver restarted, or closed it as idle) gets one retry on a fresh channel."""
-        frame = record_frame(FrameKind.HEADER, export.header)
-        while True:
-            channel, reused = self._channels.acquire(export.plan.address, export.deadline)
-            export.channel, export.reader = channel, BlobReader(channel)
-            if export.handle.poll().is_terminal:  # fail() missed the new channel: close it
-                channel.close()
-                return None
-            export.handle.telemetry.reused_channel = reused
-            try:
-                self._send(export, frame)
-                return export.reader.read_reply(export.deadline)
-            except TruncatedTransfer:
-                if not reused or export.handle.poll().is_terminal:
-                    raise
-                logger.debug("idle KV channel to %s was closed; reconnecting",
-                             export.plan.address)
-                channel.close()
+    def _open(self, export: _Export) -> bool:
+        """Takes a channel to the receiver (an idle one if the pool has it) and sends the
+        header; False if the transfer ended meanwhile."""
+        channel, reused = self._channels.acquire(export.plan.address, export.deadline)
+        export.channel, export.reader = channel, BlobReader(channel)
+        if export.handle.poll().is_terminal:  # fail() missed the new channel: close it
+            channel.close()
+            return False
+        export.handle.telemetry.reused_channel = reused
+        self._send(export, record_frame(FrameKind.HEADER, export.header))
+        export.handle.mark_transferring()
+        return True
 
     def _finish(self, export: _Export, reply: TransferReply) -> None:
         tel, now = export.handle.telemetry, time.monotonic()

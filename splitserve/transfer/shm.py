@@ -153,7 +153,7 @@ class ShmChannel(Channel):
         # Mappings are not closed here: another thread may still be copying out of one;
         # they go with their last view.
 
-    def is_idle_open(self) -> bool:
+    def is_quiet(self) -> bool:
         if self._closed or self._peer_gone:
             return False
         try:

@@ -85,7 +85,7 @@ class TcpChannel(Channel):
             self._closed = True
         close_socket(self._sock)  # wakes a thread blocked on it
 
-    def is_idle_open(self) -> bool:
+    def is_quiet(self) -> bool:
         if self._closed:
             return False
         try:

@@ -75,10 +75,11 @@ class Channel(ABC):
     def close(self) -> None:
         """Releases the channel; idempotent. The peer's next read sees the stream end."""
 
-    def is_idle_open(self) -> bool:
-        """Between transfers: True while both ends are open and nothing unread is pending;
-        never blocks. A transport that cannot tell says False, and its channels are never
-        reused (see ChannelPool)."""
+    def is_quiet(self) -> bool:
+        """True while the peer is connected and nothing it sent is unread; never blocks.
+        Asked between transfers (can an idle channel be reused?) and during one (did the
+        receiver answer?). A transport that cannot tell says False: its channels are never
+        reused, and its senders read the header's answer at the first layer."""
         return False
 
 
@@ -121,9 +122,8 @@ class ChannelPool:
 
     A channel goes back (`release`) only after a transfer ended cleanly on it, so its
     stream is at a frame boundary on both ends; anything else closes it. `acquire` checks
-    an idle channel without blocking (`Channel.is_idle_open`) before handing it out, but
-    the receiver may still have gone since: the caller tells a failure on a reused channel
-    before any reply apart, and retries once on a fresh one.
+    an idle channel without blocking (`Channel.is_quiet`) before handing it out: a
+    receiver that closed it (restarted, or idle too long) is noticed there.
     """
 
     def __init__(self, max_idle_per_address: int = 4, max_idle_s: float = MAX_IDLE_S) -> None:
@@ -140,7 +140,7 @@ class ChannelPool:
                 since, channel = idle.pop() if idle else (0.0, None)
             if channel is None:
                 return get_transport(scheme(address)).connect(address, deadline), False
-            if time.monotonic() - since < self.max_idle_s and channel.is_idle_open():
+            if time.monotonic() - since < self.max_idle_s and channel.is_quiet():
                 return channel, True
             channel.close()
 

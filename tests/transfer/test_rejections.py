@@ -3,6 +3,7 @@ nothing, and returns every reserved block to its pool."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import pytest
@@ -10,12 +11,11 @@ import pytest
 from splitserve import SamplingParams
 from splitserve.errors import (ChecksumMismatch, FingerprintMismatch, HeaderMismatch,
                                KVTransferError, TransferRejected, TruncatedTransfer)
-from splitserve.transfer.blob import PRELUDE, ReplyOutcome, TransferReply
+from splitserve.transfer.blob import PRELUDE, BlobReader, ReplyOutcome, TransferReply
 from splitserve.transfer.handle import TransferHandle
-from splitserve.transfer.transport import TransferState
-from tests.transfer.conftest import TRANSPORTS, Pair, deliver, prefill_frames, settle
-
-from tests.transfer.conftest import PARAMS, PROMPT
+from splitserve.transfer.transport import TransferState, get_transport
+from tests.transfer.conftest import (DEADLINE_S, PARAMS, PROMPT, TRANSPORTS, Pair, deliver,
+                                     prefill_frames, settle)
 
 
 def assert_rejected(pair: Pair, handle: TransferHandle, error: type[KVTransferError],
@@ -130,3 +130,32 @@ def test_unknown_transfer_is_refused_without_touching_others(
     pair.receiver.cancel("r")
     settle(pair, recv)
     assert pair.b.engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_transfer_refused_at_its_header_is_drained_and_the_channel_goes_on(
+        make_pair: Callable[..., Pair], transport: str) -> None:
+    """Senders stream without waiting for the header's answer, so the receiver reads and
+    drops the rest of a refused transfer: the refusal arrives, and the same channel then
+    carries a valid transfer."""
+    pair = make_pair(transport)
+    plan = pair.expect("r", PROMPT, PARAMS)
+    frames = prefill_frames(pair, plan)
+    unknown = prefill_frames(pair, dataclasses.replace(plan, transfer_id="nobody-expects-me"))
+    chan = get_transport(transport).connect(pair.receiver.address,
+                                            time.monotonic() + DEADLINE_S)
+    try:
+        reader = BlobReader(chan)
+        chan.send(unknown, time.monotonic() + DEADLINE_S)
+        refused = reader.read_reply(time.monotonic() + DEADLINE_S)
+        assert refused.outcome == ReplyOutcome.REJECTED
+        assert refused.error_kind == "HeaderMismatch"
+        chan.send(frames, time.monotonic() + DEADLINE_S)
+        assert reader.read_reply(time.monotonic() + DEADLINE_S).outcome == ReplyOutcome.ACCEPTED
+        recv = pair.receiver_handle(plan)
+        settle(pair, recv)
+        assert reader.read_reply(time.monotonic() + DEADLINE_S).outcome == ReplyOutcome.COMMITTED
+        assert chan.is_quiet()  # in step: nothing more to read, still open
+    finally:
+        chan.close()
+    assert pair.decode(recv) == pair.a.generate(PROMPT, PARAMS)[0].token_ids

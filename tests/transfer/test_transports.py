@@ -155,19 +155,19 @@ def test_an_idle_channel_knows_whether_it_can_carry_more(
         _recv(receiver, 700 << 10)
     receiver.send([b"ok"], time.monotonic() + 5)
     assert _recv(sender, 2) == b"ok"
-    assert sender.is_idle_open() and receiver.is_idle_open()  # in step: reusable
-    assert sender.is_idle_open()  # the check consumes nothing
+    assert sender.is_quiet() and receiver.is_quiet()  # in step: reusable
+    assert sender.is_quiet()  # the check consumes nothing
     receiver.send([b"unasked"], time.monotonic() + 5)
-    assert _wait_until(lambda: not sender.is_idle_open())  # bytes nobody read: out of step
+    assert _wait_until(lambda: not sender.is_quiet())  # bytes nobody read: out of step
     receiver.close()
-    assert not receiver.is_idle_open()
+    assert not receiver.is_quiet()
 
 
 def test_an_idle_channel_sees_its_peer_close(channel_pair: tuple[Channel, Channel]) -> None:
     sender, receiver = channel_pair
-    assert sender.is_idle_open()
+    assert sender.is_quiet()
     receiver.close()
-    assert _wait_until(lambda: not sender.is_idle_open())
+    assert _wait_until(lambda: not sender.is_quiet())
 
 
 @pytest.mark.parametrize("name", ["inproc", "shm", "tcp"])
@@ -189,14 +189,14 @@ def test_channel_pool_reuses_idle_channels_that_are_alive(name: str) -> None:
         assert extra is not first and not reused
         pool.release(listener.address, first)
         pool.release(listener.address, extra)  # over max_idle_per_address: closed
-        assert extra.is_idle_open() is False
+        assert extra.is_quiet() is False
         peer.close()  # the receiver goes away: its idle channel is not handed out
-        assert _wait_until(lambda: not first.is_idle_open())
+        assert _wait_until(lambda: not first.is_quiet())
         fresh, reused = pool.acquire(listener.address, time.monotonic() + 5)
         assert fresh is not first and not reused
         pool.release(listener.address, fresh)
         pool.close()  # closes idle channels: the receiver sees the stream end
-        assert not fresh.is_idle_open()
+        assert not fresh.is_quiet()
     finally:
         pool.close()
         for chan in accepted:
@@ -211,7 +211,7 @@ def test_channel_pool_does_not_reuse_a_channel_idle_too_long() -> None:
         chan, _ = pool.acquire(listener.address, time.monotonic() + 5)
         pool.release(listener.address, chan)
         again, reused = pool.acquire(listener.address, time.monotonic() + 5)
-        assert again is not chan and not reused and not chan.is_idle_open()
+        assert again is not chan and not reused and not chan.is_quiet()
     finally:
         pool.close()
         listener.close()
