@@ -482,28 +482,29 @@ def run_agreement(new_tokens: int) -> list[list[object]]:
 
 NOTES = """\
 - **TCP vs raw socket.** Expected ~90%: both pay the kernel's two copies; the transfer adds
-  framing, an xxh3-64 pass on each side (~28 GB/s, small next to ~3 GB/s loopback), a
-  header round trip and fresh receive tensors. The raw loopback figure itself varies by
-  +-30% between runs on this VM, so ratios near or above 100% mean "same speed", not a
-  faster socket.
+  framing, an xxh3-64 pass on each side (~28 GB/s, small next to ~3 GB/s loopback) and
+  fresh receive tensors. Both keep their connection open between transfers (until
+  2026-11-22 both connected per transfer). The raw loopback figure itself varies by
+  +-30% between runs on this VM, so ratios near or above 100% mean "same speed".
 - **shm vs memcpy.** Expected 50-70%: a byte is copied into the ring by the sender and out
-  of it by the receiver (two processes, in parallel) and hashed once. The first version
-  measured 5-12%: every transfer got a fresh memfd ring, and first-touch page faults are
-  very expensive in this VM (fresh pages were written at ~1.1 GB/s against ~15 GB/s for
-  warm ones); pooled 16 MiB rings gave 36-50%. Measured since: the copy out of a ring the
-  other core just wrote runs at the same speed as from one's own (1.3 ms for 24 MB), and
-  two copies on the two cores do not slow each other; what cost was a doorbell per 1 MiB
-  and per frame part (each a system call and often a wake-up: ~65 per 1K transfer) and a
-  ring larger than what stays in cache between the two copies. Doorbells are now batched
-  (DATA every 256 KiB and at the end of a frame, CREDIT every quarter ring) and the ring is
-  4 MiB: 4K and 16K went to 64-78%. A 16-token transfer still takes ~1 ms: connect and
-  descriptor passing (0.05-0.2 ms), the header's round trip (0.2-0.3 ms: the receiver wakes,
-  maps the rings, decodes and checks the header, replies), ~10-20 us of Python per layer
-  frame on the receiver (30 frames) and the final reply. At 1K tokens that fixed ~1 ms sits
-  next to a memcpy of 1.1-1.6 ms (23.6 MB, partly cache-resident: 15-21 GB/s against
-  11-16 GB/s at 4K-16K), so the ratio stays under 50% there. Getting it over needs the
-  fixed cost under ~0.3 ms: channels kept open across transfers (no connect, accept and
-  descriptor passing each time) and fewer, larger frames on the receiver's side.
+  of it by the receiver (two processes, in parallel) and hashed once. History: fresh memfd
+  rings per transfer gave 5-12% (first-touch page faults cost ~14x here); pooled 16 MiB
+  rings 36-50%; batched doorbells and a 4 MiB ring (stays in cache between the copies)
+  64-84% at 4K-16K. At 1K the fixed cost per transfer weighs against a memcpy of only
+  ~1.3 ms. Measured on 2026-11-22, per 1K transfer: the receiver is busy nearly the whole
+  time (2.3-2.8 ms of CPU: its copy and hash, ~15-20 us of Python per layer frame, and
+  ~30 CREDIT doorbells at ~18 us each, because each one wakes the sleeping sender, which
+  costs the waker on this VM), and two round trips. Changes that day: channels kept open
+  between transfers (no connect, descriptor passing, thread start); the sender streams
+  layers without waiting for the header's answer (same-run A/B: 2.89 -> 2.12 ms, -27%);
+  doorbell waits poll for 200 us before sleeping (-8%). Half-ring credits and 8/32 MiB
+  rings made no difference beyond noise. Cache state moves the 1K figure a lot: back to
+  back (ring, sources and the receiver's buffers warm) shm takes ~2.1 ms, 62-66% of
+  memcpy; after other transports' runs, as in this table, ~3 ms, 40-45%; memcpy itself
+  barely changes when the caches are flushed first (1.40 ms cold). So 1K still misses 50%
+  here. Next: evict caches before every timed operation (equal footing), fewer doorbell
+  wake-ups (a shared-memory "sleeping" flag would need memory ordering Python cannot
+  express portably), and a receiver that writes straight into the KV cache blocks.
 - **pack** is the copy of each layer plus the checksum. Here all 30 copies are kept alive
   (377 MB at 16K), so every copy lands on fresh memory and pays the same first-touch page
   faults; when streaming, each copy is freed once sent and its memory is reused.
