@@ -158,17 +158,14 @@ class ShmChannel(Channel):
             return False
         try:
             self._sock.settimeout(0.0)  # non-blocking: a timeout would make recv wait
-            data = self._sock.recv(4096)
+            while data := self._sock.recv(4096):  # doorbells (a last CREDIT) may precede
+                self._apply(data)                  # the end of the stream: read them all
         except BlockingIOError:
-            data = None
+            return self._available == self._consumed  # nothing unread, not closed
         except OSError:
             return False
-        if data == b"":
-            self._peer_gone = True
-            return False
-        if data:
-            self._apply(data)  # e.g. the credit for the end of the last transfer
-        return self._available == self._consumed
+        self._peer_gone = True
+        return False
 
     # -- control messages -------------------------------------------------------------------
     def _tell_written(self) -> None:
