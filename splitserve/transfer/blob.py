@@ -231,11 +231,10 @@ class BlobReader:
         hasher = xxhash.xxh3_64()
         for off in range(0, nbytes, RECV_CHUNK):
             chunk = view[off:off + RECV_CHUNK]
-            self.source.recv_into(chunk, deadline)
+            self._recv(chunk, deadline)
             t0 = time.perf_counter()
             hasher.update(chunk)
             self.checksum_s += time.perf_counter() - t0
-        self.num_bytes += nbytes
         if hasher.intdigest() != checksum:
             raise ChecksumMismatch(f"layer {layer} of transfer {header.transfer_id} fails its "
                                    f"{CHECKSUM} checksum: corrupted in transit; retry the "
