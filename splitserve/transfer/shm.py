@@ -45,10 +45,14 @@ DATA_RING_BYTES = 4 << 20  # connector -> acceptor (the KV direction); stays in 
 REPLY_RING_BYTES = 1 << 20  # acceptor -> connector (replies)
 # Post a DATA doorbell every CHUNK bytes so the reader copies out while the writer copies in.
 CHUNK = 256 << 10
-# A side that waits for a doorbell polls the socket this long before it sleeps: waking a
-# sleeping process costs both sides tens of microseconds on a VM, and the peer of a
-# transfer in flight usually answers within this (measured: 1K-token transfers ~9% faster).
-SPIN_S = 200e-6
+# A side that waits for a doorbell polls the socket a while before it sleeps: waking a
+# sleeping process costs the waker 10-50 us and the sleeper 0.1-1 ms on a VM (measured on
+# ours), and the peer of a transfer in flight usually answers sooner. Every wait of the
+# connector (the KV sender) is inside a transfer (ring space, the answer to what it sent),
+# so it polls longer, and the receiver, the slower side, never pays to wake it; the acceptor
+# also waits for the next transfer, which may be far off, so it sleeps sooner.
+CONNECTOR_SPIN_S = 1e-3
+ACCEPTOR_SPIN_S = 200e-6
 _HELLO = struct.Struct("<4sQQ")  # magic, connector->acceptor ring bytes, reverse ring bytes
 _HELLO_MAGIC = b"SSHM"
 _CTL = struct.Struct("<BQ")  # kind, cumulative byte count
@@ -59,6 +63,7 @@ class ShmChannel(Channel):
     def __init__(self, sock: socket.socket,
                  rings: tuple[mmap.mmap, mmap.mmap] | None = None) -> None:
         self._sock = sock
+        self._spin_s = CONNECTOR_SPIN_S if rings is not None else ACCEPTOR_SPIN_S
         self._closed = False
         self._close_lock = threading.Lock()
         self._ctl_buf = bytearray()
@@ -206,10 +211,10 @@ class ShmChannel(Channel):
         self._apply(data)
 
     def _poll(self, deadline: float, what: str) -> bytes:
-        """The next control bytes: polled for up to SPIN_S, then waited for (a sleeping
-        peer costs a wake-up on both sides, each tens of microseconds on a VM)."""
+        """The next control bytes: polled for a while (see CONNECTOR_SPIN_S), then waited
+        for."""
         self._sock.settimeout(0.0)
-        spin_end = time.perf_counter() + SPIN_S
+        spin_end = time.perf_counter() + self._spin_s
         while True:
             try:
                 return self._sock.recv(4096)
