@@ -15,8 +15,10 @@ import datetime as _dt
 import fcntl
 import os
 import platform
+import select
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -314,3 +316,35 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+class ServeChild:
+    """A child process `python SCRIPT --serve KIND` that prints its address first, then
+    talks in lines on stdin/stdout; closing its stdin ends it."""
+
+    def __init__(self, script: str, kind: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, script, "--serve", kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.address = self.readline(300)
+
+    def readline(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"child {self.proc.args!r} did not answer")
+        return line.strip()
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()

@@ -11,32 +11,24 @@ bf16, blocks of 16; random values, since 16K exceeds the model's 8K positions): 
 packed first (per-layer copy + checksum, "pack"; in real use this runs inside the prefill,
 overlapped), then timed from taking a channel to the receiver's verdict: header, 30 layer
 frames and trailer sent without waiting (ACCEPTED is read when it arrives), COMMITTED.
-Channels stay open between transfers, as KVSender
-keeps them (transport.ChannelPool; the warm-up round opens them). The receiver (another
+Channels stay open between transfers, as KVSender keeps them (transport.ChannelPool; the
+warm-up round opens them). The receiver (another
 process for shm/tcp, a thread for inproc) runs the real BlobReader: every layer is received
 into a fresh tensor and checksummed. Ceilings in the same run: a plain `socket` loopback
 copy of the same bytes (one sendall per layer into recv_into of a preallocated buffer,
 another process, the connection kept open likewise) and a single-threaded `memcpy` (numpy
-copyto) of the same bytes into a filled buffer.
-
-Streaming (2K-token prompt, default model, bf16): engine A (this process, 2 threads,
-max_num_batched_tokens 2048: one prefill step) streams over TCP to engine B (another
-process, 1 thread). "ready" = B committed the KV and can run its first decode step;
-compared with A's prefill alone (no transfer, separate repetitions), and with sending the
-held KV after the prefill instead of streaming it. The plan round trip (B reserving blocks)
-happens before the prompt "arrives": in the system it precedes the prefill.
+copyto) of the same bytes into a filled buffer. Each method runs in bursts of BURST
+operations; the figures are the steady ones (a stream of transfers), and the first of each
+burst (after the other methods) is reported apart.
+Streaming and int8 agreement: bench/transfer_handoff.py.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
-import json
 import os
-import random
-import select
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -50,8 +42,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
-                          machine_description, markdown_table, median, write_section)
+from bench.common import (DEFAULT_OUTPUT, CpuMonitor, ServeChild,  # noqa: E402
+                          busy_processes, machine_description, markdown_table, median,
+                          write_section)
+from bench.transfer_handoff import (DEADLINE_S, HANDOFF_NOTES, TTFT_PROMPT,  # noqa: E402
+                                    run_agreement, run_ttft, serve_decode)
 from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,  # noqa: E402
                                       ReplyOutcome, TransferReply, record_frame)
 from splitserve.transfer.layer_codec import Compression, layer_nbytes  # noqa: E402
@@ -62,9 +57,6 @@ from splitserve.transfer.transport import (Buffer, ChannelPool, Transport,  # no
 
 SIZES = [1024, 4096, 16384]
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M (checked against the GGUF below)
-TTFT_PROMPT = 2048
-KV_POOL_BYTES = 256 << 20  # per engine: ~11K tokens of the default model in bf16
-DEADLINE_S = 120.0
 _RAW_ACK = b"k"
 
 
@@ -135,37 +127,6 @@ def child_main(kind: str) -> None:
         threading.Event().wait()  # serve_decode owns stdin and exits the process
     sys.stdin.read()
     stop.set()
-
-
-class Child:
-    """A receiver child process (`--serve KIND`) and its address."""
-
-    def __init__(self, kind: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", kind],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.address = self.readline(300)
-
-    def readline(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"receiver child {self.proc.args!r} did not answer")
-        return line.strip()
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
 
 
 # -- throughput ----------------------------------------------------------------------------
@@ -250,8 +211,8 @@ def memcpy(layers: Sequence[torch.Tensor], dst: np.ndarray) -> float:
     srcs = [t.reshape(-1).view(torch.uint8).numpy() for t in layers]
     t0 = time.perf_counter()
     off = 0
-    for src in srcs:
-        np.copyto(dst[off:off + len(src)], src)
+    for src in srcs:  # layer by layer, as transfers move them (one np.concatenate call
+        np.copyto(dst[off:off + len(src)], src)  # is ~10% faster at 1K)
         off += len(src)
     return time.perf_counter() - t0
 
@@ -260,14 +221,12 @@ def gbps(nbytes: int, seconds: Sequence[float]) -> float:
     return nbytes / median(seconds) / 1e9
 
 
-# Each round runs every method BURST times in a row. The first operation of a burst starts
-# with the caches holding what the other methods left; the others follow the same method, as
-# in a stream of transfers (steady state: the table's figures).
-BURST = 4
+BURST = 4  # operations of a method in a row: the first follows the other methods, the rest
+# follow the same method, as in a stream of transfers (steady state: the table's figures)
 
 
 def run_throughput(sizes: Sequence[int], reps: int) -> tuple[list[list[object]], list[str]]:
-    children = {k: Child(k) for k in ("shm", "tcp", "raw")}
+    children = {k: ServeChild(__file__, k) for k in ("shm", "tcp", "raw")}
     inproc_addr: list[str] = []
     stop = threading.Event()
     threading.Thread(target=serve_blobs, args=(get_transport("inproc"), inproc_addr, stop),
@@ -324,216 +283,42 @@ def run_throughput(sizes: Sequence[int], reps: int) -> tuple[list[list[object]],
     return rows, verdicts
 
 
-# -- layer-wise streaming: a 2K-token prompt, prefill on A, decode on B ---------------------
-def serve_decode(address_out: list[str]) -> None:
-    """Engine B: for each stdin line {"rid", "prompt"}, await the KV, print the plan, then
-    print when the KV was committed and the first decode step ran."""
-    from splitserve.config import EngineConfig
-    from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.transfer.receiver import KVReceiver
-    engine = LLMEngine(EngineConfig.from_kwargs(None, dtype="bfloat16", num_threads=1,
-                                                kv_cache_memory_bytes=KV_POOL_BYTES))
-    receiver = KVReceiver(engine, get_transport("tcp").listen())
-    address_out.append(receiver.address)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        engine.add_request(cmd["rid"], cmd["prompt"], SamplingParams(
-            temperature=0, max_tokens=2, ignore_eos=True), await_kv=True)
-        plan = receiver.expect(cmd["rid"], timeout_s=DEADLINE_S)
-        assert plan is not None
-        print(json.dumps(plan.to_dict()), flush=True)
-        handle = None
-        while handle is None:
-            receiver.wait(0.05)  # sleeps while A computes: B must not steal A's cores
-            done = receiver.poll()
-            handle = done[0] if done else None
-        t_commit = time.monotonic()
-        result = {"state": handle.poll().state.name, "t_commit": t_commit,
-                  "telemetry": handle.telemetry.as_record()}
-        if engine.has_unfinished:
-            engine.step()  # the first decode step
-        result["t_first_step_end"] = time.monotonic()
-        while engine.has_unfinished:
-            engine.step()
-        print(json.dumps(result), flush=True)
-    os._exit(0)
-
-
-def run_ttft(reps: int) -> tuple[list[list[object]], dict[str, float]]:
-    from splitserve.config import EngineConfig
-    from splitserve.engine.engine import LLMEngine
-    from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.transfer.handle import TransferPlan
-    from splitserve.transfer.sender import KVSender
-    engine = LLMEngine(EngineConfig.from_kwargs(None, dtype="bfloat16", num_threads=2,
-                                                max_num_batched_tokens=TTFT_PROMPT,
-                                                kv_cache_memory_bytes=KV_POOL_BYTES))
-    sender = KVSender(engine)
-    child = Child("decode")
-    rng = random.Random(7)
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    results: dict[str, list[float]] = {
-        k: [] for k in ("alone", "streamed", "held", "streamed_prefill", "held_prefill",
-                        "streamed_exposed", "held_exposed")}
-    try:
-        for rep in range(reps + 1):  # the first round warms up
-            prompt = [rng.randrange(100, engine.spec.vocab_size) for _ in range(TTFT_PROMPT)]
-            t0 = time.monotonic()
-            engine.add_request(f"alone-{rep}", prompt, first)
-            while engine.has_unfinished:
-                engine.step()
-            results["alone"].append(time.monotonic() - t0)
-            for mode in ("streamed", "held"):
-                rid = f"{mode}-{rep}"
-                prompt = [rng.randrange(100, engine.spec.vocab_size) for _ in range(TTFT_PROMPT)]
-                child.send(json.dumps({"rid": rid, "prompt": prompt}))
-                plan = TransferPlan.from_dict(json.loads(child.readline(DEADLINE_S)))
-                t_arrival = time.monotonic()
-                engine.add_request(rid, prompt, first, hold_kv=True)
-                handle = sender.start(rid, plan) if mode == "streamed" else None
-                t_prefill = None
-                while t_prefill is None:
-                    outs = engine.step()
-                    for out in outs:
-                        if out.request_id == rid and out.token_ids:
-                            t_prefill = time.monotonic()
-                            if handle is None:
-                                handle = sender.send_held(rid, plan, out.token_ids[0])
-                    sender.poll(outs)
-                assert handle is not None
-                while not handle.poll().is_terminal:
-                    sender.poll()
-                    time.sleep(0.0005)
-                sender.poll()  # releases A's held blocks
-                result = json.loads(child.readline(DEADLINE_S))
-                assert result["state"] == "DONE", result
-                results[mode].append(result["t_commit"] - t_arrival)
-                results[f"{mode}_prefill"].append(t_prefill - t_arrival)
-                results[f"{mode}_exposed"].append(result["t_commit"] - t_prefill)
-    finally:
-        child.close()
-        sender.close()
-    results = {k: v[1:] for k, v in results.items()}
-    alone = median(results["alone"])
-    rows: list[list[object]] = []
-    for mode, label in (("streamed", "layer-wise streaming"),
-                        ("held", "send held KV after the prefill")):
-        ready, exposed = median(results[mode]), median(results[f"{mode}_exposed"])
-        rows.append([label, f"{alone * 1e3:.0f}", f"{median(results[f'{mode}_prefill']) * 1e3:.0f}",
-                     f"{exposed * 1e3:.1f} (**{exposed / alone:+.1%}**)",
-                     f"{ready * 1e3:.0f} ({(ready - alone) / alone:+.1%})",
-                     spread(results["alone"]) + " / " + spread(results[mode])])
-    summary = {"alone_s": alone, "streamed_s": median(results["streamed"]),
-               "held_s": median(results["held"])}
-    return rows, summary
-
-
-def spread(values: Sequence[float]) -> str:
-    return f"{min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}"
-
-
-# -- int8 on the wire: does decoding still agree? --------------------------------------------
-AGREEMENT_PROMPTS = [
-    "Explain why the sky is blue in three sentences.",
-    "Write a short poem about a lighthouse keeper.",
-    "List five uses of a paperclip and explain each briefly.",
-    "What is the difference between a list and a tuple in Python?",
-]
-
-
-def run_agreement(new_tokens: int) -> list[list[object]]:
-    """Greedy continuation on B after a handoff with exact and int8 KV, vs A alone."""
-    from splitserve import LLM, SamplingParams
-    from splitserve.transfer.receiver import KVReceiver
-    from splitserve.transfer.sender import KVSender
-    a = LLM(dtype="bfloat16", kv_cache_memory_bytes=KV_POOL_BYTES)
-    b = LLM(dtype="bfloat16", kv_cache_memory_bytes=KV_POOL_BYTES)
-    sender = KVSender(a.engine)
-    receiver = KVReceiver(b.engine, get_transport("inproc").listen())
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    rows = []
-    try:
-        for compression in (Compression.NONE, Compression.INT8):
-            same_prefix, same_tokens, total = [], 0, 0
-            for i, text in enumerate(AGREEMENT_PROMPTS):
-                prompt = a.tokenizer.encode(a.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True),
-                    add_special_tokens=False)
-                expected = a.generate(prompt, params)[0].token_ids
-                rid = f"{compression.value}-{i}"
-                b.engine.add_request(rid, prompt, params, await_kv=True)
-                plan = receiver.expect(rid)
-                assert plan is not None
-                a.engine.add_request(rid, prompt, dataclasses.replace(params, max_tokens=1),
-                                     hold_kv=True)
-                send = sender.start(rid, plan, compression=compression)
-                handles: list = []
-                while not handles:
-                    sender.poll(a.engine.step() if a.engine.has_unfinished else [])
-                    handles = receiver.poll()
-                    time.sleep(0.0005)
-                while not send.poll().is_terminal:
-                    sender.poll()
-                    time.sleep(0.0005)
-                sender.poll()
-                got = list(handles[0].output.token_ids) if handles[0].output else []
-                while b.engine.has_unfinished:
-                    for out in b.engine.step():
-                        got = list(out.token_ids)
-                prefix = next((k for k, (x, y) in enumerate(zip(got, expected)) if x != y),
-                              len(expected))
-                same_prefix.append(prefix)
-                same_tokens += sum(x == y for x, y in zip(got, expected))
-                total += len(expected)
-            rows.append([compression.value, len(AGREEMENT_PROMPTS), new_tokens,
-                         f"{same_tokens / total:.0%}",
-                         " / ".join(str(p) for p in same_prefix)])
-    finally:
-        sender.close()
-        receiver.close()
-    return rows
-
-
 NOTES = """\
 - **TCP vs raw socket.** Expected ~90%: both pay the kernel's two copies; the transfer adds
   framing, an xxh3-64 pass on each side (~28 GB/s, small next to ~3 GB/s loopback) and
   fresh receive tensors. Both keep their connection open between transfers (until
   2026-11-22 both connected per transfer). The raw loopback figure itself varies by
-  +-30% between runs on this VM, so ratios near or above 100% mean "same speed".
+  +-30% between runs on this VM, so ratios near or above 100% mean "same speed"; the
+  first of a burst also pays for waking the receiving process.
 - **shm vs memcpy.** Expected 50-70%: a byte is copied into the ring by the sender and out
   of it by the receiver (two processes, in parallel) and hashed once. History: fresh memfd
-  rings per transfer gave 5-12% (first-touch page faults cost ~14x here); pooled 16 MiB
-  rings 36-50%; batched doorbells and a 4 MiB ring (stays in cache between the copies)
-  64-84% at 4K-16K. At 1K the fixed cost per transfer weighs against a memcpy of only
-  ~1.3 ms. Measured on 2026-11-22, per 1K transfer: the receiver is busy nearly the whole
-  time (2.3-2.8 ms of CPU: its copy and hash, ~15-20 us of Python per layer frame, and
-  ~30 CREDIT doorbells at ~18 us each, because each one wakes the sleeping sender, which
-  costs the waker on this VM), and two round trips. Changes that day: channels kept open
-  between transfers (no connect, descriptor passing, thread start); the sender streams
-  layers without waiting for the header's answer (same-run A/B: 2.89 -> 2.12 ms, -27%);
-  doorbell waits poll for 200 us before sleeping (-8%). Half-ring credits and 8/32 MiB
-  rings made no difference beyond noise. Cache state moves the 1K figure a lot: back to
-  back (ring, sources and the receiver's buffers warm) shm takes ~2.1 ms, 62-66% of
-  memcpy; after other transports' runs, as in this table, ~3 ms, 40-45%; memcpy itself
-  barely changes when the caches are flushed first (1.40 ms cold). So 1K still misses 50%
-  here. Next: evict caches before every timed operation (equal footing), fewer doorbell
-  wake-ups (a shared-memory "sleeping" flag would need memory ordering Python cannot
-  express portably), and a receiver that writes straight into the KV cache blocks.
+  rings per transfer 5-12% (first-touch page faults); pooled 16 MiB rings 36-50%; batched
+  doorbells and a 4 MiB ring that stays in cache 64-84% at 4K-16K; channels kept open and
+  layers streamed behind the header 84-90%. At 4K the two copies overlap and the receiver
+  writes into buffers that stay in its cache: 84-120% across runs that day (memcpy writes
+  94 MB of fresh memory). At 1K fixed costs weigh against a ~1.1-1.4 ms memcpy. Measured on
+  2026-11-22, a steady 1K transfer (~2.0 ms): the receiver, the slower side, copies out of
+  the ring (0.5 ms), hashes (0.36 ms), spends ~20 us of Python and torch per layer frame
+  (0.6 ms), and ~0.3 ms on its start and the answer's round trip. Waking a sleeping process
+  is slow on this VM (ping-pong after an idle spell: 0.2-0.3 ms median, 1.5 ms p90; the
+  waker pays 12-50 us in its send), so the sender, whose waits all belong to a transfer,
+  now polls 1 ms before sleeping; payloads are hashed per 1 MiB, not 256 KiB (-6 to -8%
+  at 1K, same-run A/B); records are packed without `dataclasses.asdict` (10 us each).
+  Methodology changed that day to bursts, quoting the steady operations (a transport's
+  throughput is that of a stream of transfers). The first of each burst starts with the
+  caches full of the other methods' data and the shm receiver asleep for ~0.1 s: 1K shm
+  is ~40% of memcpy there, as it was (43%) when every operation followed the others.
+  Evicting the caches before every operation was tried and dropped: it also evicts the
+  interpreter's working set and so taxes every Python-driven path (a non-blocking socket
+  check: 50 -> 155 us). What would close the rest: a receiver that places its layer from
+  a view of the ring (one copy fewer), and the decode worker's KV blocks in shared memory
+  for the sender to write into (as NIXL and Mooncake do with registered memory).
+- **inproc** hands parts between two threads of one process; every handoff waits for the
+  GIL (the running thread keeps it up to the 5 ms switch interval), so its figure measures
+  thread scheduling, not copying. It exists for tests.
 - **pack** is the copy of each layer plus the checksum. Here all 30 copies are kept alive
   (377 MB at 16K), so every copy lands on fresh memory and pays the same first-touch page
   faults; when streaming, each copy is freed once sent and its memory is reused.
-- **int8 on the wire** halves the bytes (plus 0.4% of scales) but is slower on loopback:
-  quantizing and dequantizing on 2 cores (~1-2 GB/s) costs more than the bytes it saves at
-  ~3 GB/s. It pays on links slower than ~1 GB/s (1-10 GbE between hosts), not on one host.
-  Greedy continuations mostly agree (table above); it stays off by default.
-- **Layer-wise streaming.** Expected what B waits for after A's prefill ends to be the last
-  layer's send plus placement and commit (a few ms), against the whole payload (~47 MB,
-  tens of ms) when the held KV is sent afterwards: that same-run figure is the transfer's
-  exposed cost. "Arrival to B ready" compares medians of different repetitions with the
-  prefill alone, so it also carries the prefill's own spread (min-max column) and the CPU
-  the transfer takes from A's prefill on the shared 2 cores (copies, hashes, kernel copies:
-  ~50 ms of CPU for 47 MB), which separate hosts would not pay.
 """
 
 
@@ -598,7 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "", markdown_table(["KV on the wire", "prompts", "new tokens", "tokens equal",
                                 "identical prefix per prompt"], agreement),
         ]
-    body += ["", "### What was expected, and why the results differ", "", NOTES]
+    body += ["", "### What was expected, and why the results differ", "", NOTES.rstrip()]
+    if ttft_rows:
+        body.append(HANDOFF_NOTES.rstrip())
     if busy > 0.3:
         body += ["", "Busy processes at the end of the run:", "",
                  *[f"    {line}" for line in busy_processes()]]

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import splitserve.transfer.blob as blob_module
 from splitserve.errors import (BlobFormatError, ChecksumMismatch, KVTransferError,
                                TruncatedTransfer)
 from splitserve.transfer.blob import (MAX_RECORD_BYTES, PRELUDE, BlobHeader, BlobReader,
@@ -144,6 +145,24 @@ def test_layer_checksum_names_the_layer() -> None:
     header_len = PRELUDE.size + struct.unpack_from("<Q", encoded, 8)[0]
     second_layer_body = header_len + 2 * PRELUDE.size + header.layer_nbytes[0]
     encoded[second_layer_body + 5] ^= 0x40
+    with pytest.raises(ChecksumMismatch, match="layer 1"):
+        decode_blob(bytes(encoded))
+
+
+def test_payloads_read_in_many_chunks_round_trip_and_check_every_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Payloads are received and hashed chunk by chunk (RECV_CHUNK): with 256-byte chunks a
+    1536-byte layer takes 6; the bytes come back exactly, and a flip in the last chunk of
+    the last layer is caught."""
+    monkeypatch.setattr(blob_module, "RECV_CHUNK", 256)
+    header = _header()
+    layers = [torch.randn(header.layer_shape) for _ in range(2)]
+    encoded = bytearray(_encode(header, layers, BlobTrailer("t", 2, 1)))
+    _, got, _ = decode_blob(bytes(encoded))
+    assert all(torch.equal(a, b) for a, b in zip(got, layers))
+    trailer_len = len(b"".join(bytes(p) for p in record_frame(FrameKind.TRAILER,
+                                                              BlobTrailer("t", 2, 1))))
+    encoded[len(encoded) - trailer_len - 3] ^= 0x01  # the last chunk of layer 1
     with pytest.raises(ChecksumMismatch, match="layer 1"):
         decode_blob(bytes(encoded))
 
