@@ -46,7 +46,7 @@ REPLY_RING_BYTES = 1 << 20  # acceptor -> connector (replies)
 # Post a DATA doorbell every CHUNK bytes so the reader copies out while the writer copies in.
 CHUNK = 256 << 10
 # A side that waits for a doorbell polls the socket a while before it sleeps: waking a
-# sleeping process costs the waker 10-50 us and the sleeper 0.1-1 ms on a VM (measured on
+# sleeping process costs the waker 10-50 us and the sleeper 0.1-1.5 ms on a VM (measured on
 # ours), and the peer of a transfer in flight usually answers sooner. Every wait of the
 # connector (the KV sender) is inside a transfer (ring space, the answer to what it sent),
 # so it polls longer, and the receiver, the slower side, never pays to wake it; the acceptor
