@@ -23,11 +23,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact kernels (default: on for bf16 on CPU)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        num_threads=args.threads, cache=CacheConfig(block_size=args.block_size),
+                        num_threads=args.threads, batch_invariant=args.batch_invariant,
+                        cache=CacheConfig(block_size=args.block_size),
                         scheduler=SchedulerConfig(max_model_len=args.max_model_len))
 
 
@@ -94,6 +97,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (local prefills must respect it; SLO metric)")
     p.add_argument("--dtype", help="auto (bfloat16) | float32")
     p.add_argument("--quantization", help="none | int8")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact kernels: outputs independent of batching (default: on for "
+                   "bf16 on CPU); --no-batch-invariant runs oneDNN's faster, batch-dependent "
+                   "kernels (AMX machines: faster prefill)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)

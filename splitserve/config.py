@@ -47,6 +47,10 @@ class EngineConfig:
     num_threads: int | None = None
     # None = weights in `dtype`; "int8" = weight-only int8 (faster batch-1 decode on CPU).
     quantization: str | None = None
+    # Batch-invariant ("exact") kernels: a token's KV, hidden states and logits are the same
+    # bits in any batch, chunk, worker and thread count. None = on wherever they exist
+    # (bfloat16 on an x86 CPU with AVX2, no quantization); False = oneDNN/SDPA fast path.
+    batch_invariant: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Check the block pool's invariants after every step (tests turn this on).
@@ -116,6 +120,7 @@ class ServeConfig:
     # Engine knobs for every worker.
     dtype: str = "auto"
     quantization: str | None = None
+    batch_invariant: bool | None = None  # None: on where the exact kernels exist (bf16 CPU)
     block_size: int = 16
     max_model_len: int | None = 4096
     max_num_seqs: int = 64
@@ -143,7 +148,7 @@ class ServeConfig:
 
     def engine_args(self) -> dict[str, object]:
         return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,
-                "block_size": self.block_size, "max_model_len": self.max_model_len,
+                "batch_invariant": self.batch_invariant, "block_size": self.block_size, "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "kv_cache_memory_bytes": self.kv_cache_memory_bytes}

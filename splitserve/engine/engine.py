@@ -19,6 +19,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
+from splitserve.model.kernels import EXACT_KERNELS, is_supported, isa_name, use_exact_linears_
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
@@ -82,12 +83,15 @@ class LLMEngine:
         model.load_weights(ckpt.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
+        self.batch_invariant = _resolve_batch_invariant(config, self.device, self.dtype)
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {config.quantization!r} is not supported; "
                                  f"use one of {QUANTIZATIONS} or none")
             quantize_int8_(self.model)
             weights_digest += f"+{config.quantization}"
+        elif self.batch_invariant:
+            use_exact_linears_(self.model)
         elif can_pack(self.device, self.dtype):
             pack_linears_(self.model)  # same numbers, faster GEMV: no fingerprint change
 
@@ -104,11 +108,14 @@ class LLMEngine:
         self.kv_cache = torch.zeros(
             (self.spec.num_layers, 2, num_blocks, cache.block_size, self.spec.num_kv_heads,
              self.spec.head_dim), dtype=self.dtype, device=self.device)
-        self.fingerprint = model_fingerprint(self.spec, str(self.dtype).removeprefix("torch."),
-                                             cache.block_size, weights_digest)
+        # Exact and fast kernels give other bits: their KV never mixes.
+        self.fingerprint = model_fingerprint(
+            self.spec, str(self.dtype).removeprefix("torch."), cache.block_size,
+            weights_digest, kernels=EXACT_KERNELS if self.batch_invariant else "default")
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size, self.device,
+                                  exact=self.batch_invariant)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -119,8 +126,9 @@ class LLMEngine:
         self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
         self.num_computed_tokens_total = 0  # tokens run through the model (for tests/metrics)
         self.last_step: StepStats | None = None
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, %s on %s", ckpt.path,
-                    num_blocks, cache.block_size, self.dtype, self.device)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, %s on %s, %s kernels",
+                    ckpt.path, num_blocks, cache.block_size, self.dtype, self.device,
+                    f"batch-invariant ({isa_name()})" if self.batch_invariant else "fast")
 
     @property
     def num_blocks(self) -> int:
@@ -310,6 +318,17 @@ class LLMEngine:
             self.scheduler.requests.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ERROR
             self.detokenizer.remove(request_id)
+
+
+def _resolve_batch_invariant(config: EngineConfig, device: torch.device,
+                             dtype: torch.dtype) -> bool:
+    """None: exact kernels wherever they exist; True where they do not is an error."""
+    available = config.quantization is None and is_supported(device, dtype)
+    if config.batch_invariant and not available:
+        raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
+                         f"an x86 CPU with AVX2 (got {dtype}, quantization="
+                         f"{config.quantization}, {device}); drop the flag for the fast path")
+    return available if config.batch_invariant is None else config.batch_invariant
 
 
 def _step_stats(batch: ScheduledBatch, seconds: float) -> StepStats:

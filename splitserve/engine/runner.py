@@ -7,17 +7,19 @@ import torch
 
 from splitserve.engine.batch import RunnerOutput, ScheduledBatch, ScheduledSeq
 from splitserve.engine.sampler import sample
-from splitserve.model.attention import AttentionMetadata, PrefillSlice, forward_context
+from splitserve.model.attention import (AttentionMetadata, ExactBatch, PrefillSlice,
+                                        forward_context)
 from splitserve.model.llama import LlamaForCausalLM
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, exact: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = device
+        self.exact = exact  # batch-invariant attention (the model's linears are exact too)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -54,6 +56,8 @@ class ModelRunner:
             pos = range(s.start_pos, s.start_pos + len(s.token_ids))
             positions.extend(pos)
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
+        if self.exact:
+            return self._prepare_exact(seqs, input_ids, positions, slots)
         decodes = [s for s in seqs if len(s.token_ids) == 1]
         nd = len(decodes)
         decode_tables = decode_padding = None
@@ -84,5 +88,27 @@ class ModelRunner:
             num_decodes=nd, decode_block_tables=decode_tables, decode_padding=decode_padding,
             decode_context_lens=ctx_lens,
             prefills=prefills)
+        return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev))
+
+    def _prepare_exact(self, seqs: list[ScheduledSeq], input_ids: list[int],
+                       positions: list[int], slots: list[int]
+                       ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Every token names its sequence and its context length (position + 1): nothing
+        about the rest of the batch reaches the kernel."""
+        dev = self.device
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        token_seq = [i for i, s in enumerate(seqs) for _ in s.token_ids]
+        exact = ExactBatch(
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            token_seq=torch.tensor(token_seq, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32,
+                                      device=dev))
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=0, decode_block_tables=None, decode_padding=None,
+            decode_context_lens=[], prefills=[], exact=exact)
         return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev))

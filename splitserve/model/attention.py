@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.model import kernels
+
 
 @dataclass(slots=True)
 class PrefillSlice:
@@ -40,6 +42,14 @@ class PrefillSlice:
 
 
 @dataclass(slots=True)
+class ExactBatch:
+    """What the batch-invariant kernel needs: every token on its own, keys from the cache."""
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+    token_seq: torch.Tensor  # [num_tokens] int32: the row of block_tables of each token
+    context_lens: torch.Tensor  # [num_tokens] int32: keys each token sees (itself included)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
@@ -51,6 +61,8 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     # Called with the layer index after each layer wrote its KV (layer-wise KV streaming).
     on_layer_end: Callable[[int], None] | None = None
+    # Set: the batch-invariant kernel attends every token (the fields above are unused).
+    exact: ExactBatch | None = None
 
 
 _current: AttentionMetadata | None = None
@@ -83,6 +95,10 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.exact is not None:
+        e = meta.exact
+        return kernels.paged_attention(q, meta.kv_cache[layer_idx], e.block_tables, e.token_seq,
+                                       e.context_lens, head_dim ** -0.5)
 
     nd = meta.num_decodes
     decoded = None

@@ -11,7 +11,7 @@ KV_FORMAT_VERSION = 1
 
 
 def model_fingerprint(spec: ModelSpec, kv_dtype: str, block_size: int,
-                      weights_digest: str) -> str:
+                      weights_digest: str, kernels: str = "default") -> str:
     """Hex digest over everything that decides whether two engines' KV blocks are interchangeable."""
     fields = {
         "kv_format_version": KV_FORMAT_VERSION,
@@ -24,6 +24,8 @@ def model_fingerprint(spec: ModelSpec, kv_dtype: str, block_size: int,
         "rope_theta": spec.rope_theta,
         "rope_scaling": spec.rope_scaling,
         "weights_digest": weights_digest,
+        # "default" or the exact kernels' version: they compute other bits.
+        "kernels": kernels,
     }
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()

@@ -1,0 +1,113 @@
+"""Batch-invariant CPU kernels: the linear layer and paged attention of exact mode.
+
+A token's bits must not depend on what else shares its engine step (DESIGN 3: any worker
+continues any sequence exactly). oneDNN chooses kernels and blocking by row count and ISA
+(AMX tiles, AVX-512 BF16 dot products, a GEMV path), so a bf16 token gets other bits in a
+batch of 1 than in a batch of 300. These kernels fix the reduction order of every output
+element in the code (see csrc/exact.cpp), so the same token gives the same bits in any
+batch, chunk, thread count, and on AVX2 and AVX-512 BF16 machines alike.
+
+The C++ is compiled once per machine on first use (torch.utils.cpp_extension: g++ and
+ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
+`SPLITSERVE_CPU_ISA=avx2|avx512_bf16` caps the ISA the kernels use (tests run both).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ISAS = {"avx2": 1, "avx512_bf16": 2}
+# Part of the model fingerprint: bump when any kernel's arithmetic changes.
+EXACT_KERNELS = "exact/v1"
+_LANES = 16  # columns per packed weight block (one 16-lane fp32 accumulator)
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether exact kernels exist for this device and dtype (x86 CPUs with AVX2, bf16)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+def load() -> ModuleType:
+    """The compiled kernels (built on first use, then loaded from the cache)."""
+    global _module
+    with _lock:
+        if _module is None:
+            from torch.utils import cpp_extension
+            src = Path(__file__).parent / "csrc"
+            logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
+            _module = cpp_extension.load(
+                name="splitserve_exact_v1",
+                sources=[str(src / "exact.cpp"), str(src / "attention.cpp")],
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            cap = os.environ.get("SPLITSERVE_CPU_ISA")
+            if cap:
+                if cap not in ISAS:
+                    raise ValueError(f"SPLITSERVE_CPU_ISA={cap!r}; use one of {sorted(ISAS)}")
+                _module.set_isa(ISAS[cap])
+        return _module
+
+
+def isa_name() -> str:
+    """The instruction set the exact kernels run with on this machine."""
+    level = load().get_isa()
+    return next((name for name, v in ISAS.items() if v == level), "none")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [ceil(N/16), ceil(K/2), 16, 2]: 16 output columns side by side, each
+    with a pair of consecutive k (the operand layout of a pairwise bf16 dot product);
+    padding is zero."""
+    n, k = weight.shape
+    nb, kp = -(-n // _LANES), -(-k // 2)
+    w = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * kp - k, 0, nb * _LANES - n))
+    return w.view(nb, _LANES, kp, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class ExactLinear(nn.Module):
+    """y = x @ W^T (+ b) where each output element is one fixed fold over k (exact.cpp)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack_weight(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self._ops = load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._ops.linear(x.reshape(-1, self.in_features).contiguous(), self.packed,
+                             self.out_features, self.bias)
+        return y if x.dim() == 2 else y.reshape(*shape[:-1], self.out_features)
+
+
+def use_exact_linears_(model: nn.Module) -> nn.Module:
+    """Replaces every nn.Linear (projections and LM head) in place; a tied LM head gets its
+    own packed copy and the embedding keeps the plain weight."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, ExactLinear(child))
+    return model
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """[T, H, D] bf16: each token over keys 0..context_len-1 of its sequence (attention.cpp).
+
+    kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]; block_tables: [S, max_blocks]
+    int32; token_seq, context_lens: [T] int32."""
+    return load().paged_attention(q, kv_layer, block_tables, token_seq, context_lens, scale)
+

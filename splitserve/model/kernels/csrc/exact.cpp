@@ -1,0 +1,279 @@
+// Batch-invariant bf16 kernels for CPU: a linear layer and paged attention whose every
+// output element is one fixed sequence of IEEE operations, whatever the batch around it.
+//
+// Why: oneDNN picks its kernel (AMX tiles, AVX-512 BF16 dot products, a GEMV path) and its
+// blocking by row count and ISA, so the same token gets different bits in a batch of 1 and
+// a batch of 300. Here the reduction order is part of the code, never of the shape:
+//
+//   linear:    y[i, j] = bf16( fold over k-pairs p = 0 .. ceil(K/2)-1 of
+//                          acc = fma(x[2p+1], w[j, 2p+1], acc); acc = fma(x[2p], w[j, 2p], acc)
+//                          (+ bias[j]) )                       acc starts at +0.0
+//   attention: per query head, scores over keys 0..L-1 in position order (each a 64-lane
+//              dot in the same pair order, lanes summed by one fixed tree), softmax with
+//              an exact max, a 16-lane exp-sum folded by the same tree, and the output
+//              accumulated key by key.
+//
+// The AVX-512 BF16 path uses VDPBF16PS, whose definition is exactly the pair of FMAs above
+// (odd element first, denormals in and out flushed to zero, round to nearest even); the
+// AVX2 path runs those FMAs one by one under MXCSR FTZ|DAZ. The two are bit-identical
+// (tests/model/test_exact_kernels.py checks it), so a token's bits do not depend on the
+// machine's ISA either. Threads split rows and columns, never a reduction.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16_t = uint16_t;
+
+constexpr int kLanes = 16;      // fp32 lanes of one accumulator (one zmm, two ymm)
+constexpr int kMaxRows = 6;     // rows of x per micro-kernel
+constexpr int kMaxBlocks = 4;   // 16-column blocks of w per micro-kernel
+
+enum Isa : int { kAvx2 = 1, kAvx512Bf16 = 2 };
+
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return kAvx512Bf16;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return 0;
+}
+
+int g_isa = -1;  // set by set_isa() or detected on first use
+
+int active_isa() {
+  if (g_isa < 0) g_isa = detect_isa();
+  return g_isa;
+}
+
+inline uint32_t load_pair(const bf16_t* p, bool full) {
+  // Two consecutive bf16 as one 32-bit word (element 2p low, 2p+1 high); the second is
+  // zero past an odd K, as the packed weights are.
+  uint32_t v = p[0];
+  if (full) std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// ---- AVX-512 BF16 -----------------------------------------------------------------------
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+AVX512_TARGET inline __m256i to_bf16_512(__m512 v) {
+  return (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+// C[r, block c] for MR rows x NB 16-column blocks; w points at block 0 of the group,
+// consecutive blocks are `w_block` bf16 apart, each block is [KP][16][2].
+template <int MR, int NB>
+AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
+                                int64_t w_block, const float* bias, bf16_t* y, int64_t ldy,
+                                int64_t n_valid) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
+  auto step = [&](int64_t p, bool full) AVX512_TARGET {
+    __m512bh b[NB];
+    for (int c = 0; c < NB; ++c)
+      b[c] = (__m512bh)_mm512_loadu_si512(w + c * w_block + p * 2 * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * ldx + 2 * p, full));
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+    }
+  };
+  for (int64_t p = 0; p < full_pairs; ++p) step(p, true);
+  if (KP > full_pairs) step(full_pairs, false);
+  for (int c = 0; c < NB; ++c) {
+    const int64_t n0 = c * kLanes;
+    const int64_t left = n_valid - n0;
+    if (left <= 0) break;
+    const __mmask16 m = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 v = bias ? _mm512_add_ps(acc[r][c], bv) : acc[r][c];
+      _mm256_mask_storeu_epi16(y + r * ldy + n0, m, to_bf16_512(v));
+    }
+  }
+}
+
+// ---- AVX2 + FMA: the same arithmetic, one FMA at a time ---------------------------------
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+AVX2_TARGET inline __m256 odd_half(__m256i words) {  // element 2p+1 as fp32
+  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+AVX2_TARGET inline __m256 even_half(__m256i words) {  // element 2p as fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// fp32 -> bf16, round to nearest even, NaN kept quiet (VCVTNEPS2BF16 without its DAZ:
+// the inputs here are never denormal, MXCSR flushed them).
+AVX2_TARGET inline __m128i to_bf16_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  r = _mm256_blendv_epi8(r, qnan, nan);
+  // pack 8 x u32 (values < 65536) into 8 x u16
+  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+  return _mm_packus_epi32(lo, hi);
+}
+
+struct FlushDenormals {  // MXCSR FTZ | DAZ for this thread while in scope
+  unsigned saved;
+  AVX2_TARGET FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+template <int MR, int NB>
+AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
+                            int64_t w_block, const float* bias, bf16_t* y, int64_t ldy,
+                            int64_t n_valid) {
+  __m256 acc[MR][NB][2];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
+  for (int64_t p = 0; p < KP; ++p) {
+    __m256 bo[NB][2], be[NB][2];
+    for (int c = 0; c < NB; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i words = _mm256_loadu_si256(
+            (const __m256i*)(w + c * w_block + p * 2 * kLanes + h * kLanes));
+        bo[c][h] = odd_half(words);
+        be[c][h] = even_half(words);
+      }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i pair = _mm256_set1_epi32((int)load_pair(x + r * ldx + 2 * p, p < full_pairs));
+      const __m256 ao = odd_half(pair), ae = even_half(pair);
+      for (int c = 0; c < NB; ++c)
+        for (int h = 0; h < 2; ++h) {
+          acc[r][c][h] = _mm256_fmadd_ps(ao, bo[c][h], acc[r][c][h]);
+          acc[r][c][h] = _mm256_fmadd_ps(ae, be[c][h], acc[r][c][h]);
+        }
+    }
+  }
+  for (int c = 0; c < NB; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n0 = c * kLanes + h * 8;
+      const int64_t left = n_valid - n0;
+      if (left <= 0) break;
+      alignas(32) float bias8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (bias) std::memcpy(bias8, bias + n0, sizeof(float) * (left < 8 ? left : 8));
+      const __m256 bv = _mm256_load_ps(bias8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 v = bias ? _mm256_add_ps(acc[r][c][h], bv) : acc[r][c][h];
+        alignas(16) bf16_t out[8];
+        _mm_store_si128((__m128i*)out, to_bf16_avx2(v));
+        std::memcpy(y + r * ldy + n0, out, sizeof(bf16_t) * (left < 8 ? left : 8));
+      }
+    }
+}
+
+// ---- dispatch over (rows, blocks) --------------------------------------------------------
+using MicroFn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, const float*,
+                         bf16_t*, int64_t, int64_t);
+
+template <template <int, int> class Pick>
+struct Table {
+  MicroFn fn[kMaxRows][kMaxBlocks];
+};
+
+template <int MR, int NB> struct PickAvx512 { static constexpr MicroFn f = micro_avx512<MR, NB>; };
+template <int MR, int NB> struct PickAvx2 { static constexpr MicroFn f = micro_avx2<MR, NB>; };
+
+template <template <int, int> class P>
+constexpr Table<P> make_table() {
+  return {{{P<1, 1>::f, P<1, 2>::f, P<1, 3>::f, P<1, 4>::f},
+           {P<2, 1>::f, P<2, 2>::f, P<2, 3>::f, P<2, 4>::f},
+           {P<3, 1>::f, P<3, 2>::f, P<3, 3>::f, P<3, 4>::f},
+           {P<4, 1>::f, P<4, 2>::f, P<4, 3>::f, P<4, 4>::f},
+           {P<5, 1>::f, P<5, 2>::f, P<5, 3>::f, P<5, 4>::f},
+           {P<6, 1>::f, P<6, 2>::f, P<6, 3>::f, P<6, 4>::f}}};
+}
+
+constexpr auto kAvx512Table = make_table<PickAvx512>();
+constexpr auto kAvx2Table = make_table<PickAvx2>();
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
+              name, " must be a contiguous CPU bfloat16 tensor");
+}
+
+}  // namespace
+
+// x [M, K] bf16; w_packed [NBLK, KP, 16, 2] bf16 (pack_weight in kernels/__init__.py);
+// bias [N] fp32 or empty. Returns y [M, N] bf16.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
+                  const c10::optional<at::Tensor>& bias) {
+  check_bf16(x, "x");
+  check_bf16(w_packed, "w_packed");
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && w_packed.size(2) == kLanes &&
+              w_packed.size(3) == 2, "linear: bad shapes");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t nblk = w_packed.size(0), KP = w_packed.size(1);
+  TORCH_CHECK(KP == (K + 1) / 2 && nblk * kLanes >= N && (nblk - 1) * kLanes < N,
+              "linear: packed weight does not match x or N");
+  const float* b = nullptr;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                bias->numel() == N, "bias must be contiguous fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int isa = active_isa();
+  TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
+  const MicroFn(*table)[kMaxBlocks] = isa == kAvx512Bf16 ? kAvx512Table.fn : kAvx2Table.fn;
+  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const bf16_t*>(w_packed.data_ptr());
+  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  const int64_t w_block = KP * 2 * kLanes;
+  const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
+  constexpr int64_t kRowChunk = 60;  // rows per task: the group's weights stay in L2
+  const int64_t row_chunks = (M + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / row_chunks, rc = task % row_chunks;
+      const int64_t blk0 = g * kMaxBlocks;
+      const int nb = (int)std::min<int64_t>(kMaxBlocks, nblk - blk0);
+      const int64_t n0 = blk0 * kLanes, n_valid = std::min<int64_t>(N - n0, nb * kLanes);
+      const int64_t r_end = std::min(M, (rc + 1) * kRowChunk);
+      for (int64_t r = rc * kRowChunk; r < r_end; r += kMaxRows) {
+        const int mr = (int)std::min<int64_t>(kMaxRows, r_end - r);
+        table[mr - 1][nb - 1](xp + r * K, K, K, wp + blk0 * w_block, w_block,
+                              b ? b + n0 : nullptr, yp + r * N + n0, N, n_valid);
+      }
+    }
+  });
+  return y;
+}
+
+void set_isa(int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == kAvx2 || isa == kAvx512Bf16, "isa must be 0 (detect), 1, 2");
+  const int have = detect_isa();
+  const int want = isa == 0 ? have : (int)isa;
+  TORCH_CHECK(want <= have, "this CPU cannot run ISA level ", want);
+  g_isa = want;
+}
+
+int64_t get_isa() { return active_isa(); }
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq,
+                           const at::Tensor& context_lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "batch-invariant bf16 linear over packed weights");
+  m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
+  m.def("set_isa", &set_isa, "0 = detect, 1 = AVX2, 2 = AVX-512 BF16");
+  m.def("get_isa", &get_isa);
+}
