@@ -57,6 +57,7 @@ except ImportError:  # run as a plain script from bench/
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model import kernels
 
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 128
@@ -265,10 +266,11 @@ class Settings:
     warmup_new_tokens: int
 
 
-def make_engine(args: argparse.Namespace, quantization: str | None = None) -> LLMEngine:
+def make_engine(args: argparse.Namespace, quantization: str | None = None,
+                batch_invariant: bool | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig.from_kwargs(
         args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
-        quantization=quantization,
+        quantization=quantization, batch_invariant=batch_invariant,
         max_num_batched_tokens=max(PREFILL_LEN, BATCH * DECODE_PROMPT_LEN),
         max_num_seqs=max(64, BATCH)))
 
@@ -296,26 +298,32 @@ class Guard:
             self.log(f"  {label}: other processes used {load:.2f} cores meanwhile; redoing it")
 
 
-def run_engine(engine: LLMEngine, st: Settings, guard: Guard, log) -> dict[str, Figure]:
-    vocab = engine.spec.vocab_size
-    figs = {k: Figure() for k in TARGETS}
-    # Warm-up: the same shapes, shorter decodes.
-    engine_prefill(engine, random_prompts(1, PREFILL_LEN, vocab)[0])
-    engine_decode(engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
-    engine_decode(engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+def run_engines(engines: dict[str, LLMEngine], st: Settings, guard: Guard, log
+                ) -> dict[str, dict[str, Figure]]:
+    """Every engine's figures; repetitions interleave the engines, so a slow spell of the
+    machine falls on all of them and their ratios stay fair."""
+    figs = {label: {k: Figure() for k in TARGETS} for label in engines}
+    for engine in engines.values():  # warm-up: the same shapes, shorter decodes
+        vocab = engine.spec.vocab_size
+        engine_prefill(engine, random_prompts(1, PREFILL_LEN, vocab)[0])
+        engine_decode(engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.warmup_new_tokens)
+        engine_decode(engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab),
+                      st.warmup_new_tokens)
     for rep in range(st.reps):
-        t = guard("engine prefill", lambda: engine_prefill(
-            engine, random_prompts(1, PREFILL_LEN, vocab)[0]))
-        figs["prefill"].samples.append(PREFILL_LEN / t)
-        t, n = guard("engine decode b1", lambda: engine_decode(
-            engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.new_tokens))
-        figs["decode_b1"].samples.append(n / t)
-        t, n = guard("engine decode b32", lambda: engine_decode(
-            engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.new_tokens))
-        figs["decode_b32"].samples.append(n / t)
-        log(f"  engine rep {rep + 1}: prefill {figs['prefill'].samples[-1]:.0f} tok/s, "
-            f"decode b1 {figs['decode_b1'].samples[-1]:.1f}, "
-            f"b32 {figs['decode_b32'].samples[-1]:.0f}")
+        for label, engine in engines.items():
+            vocab, f = engine.spec.vocab_size, figs[label]
+            t = guard("engine prefill", lambda: engine_prefill(
+                engine, random_prompts(1, PREFILL_LEN, vocab)[0]))
+            f["prefill"].samples.append(PREFILL_LEN / t)
+            t, n = guard("engine decode b1", lambda: engine_decode(
+                engine, random_prompts(1, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+            f["decode_b1"].samples.append(n / t)
+            t, n = guard("engine decode b32", lambda: engine_decode(
+                engine, random_prompts(BATCH, DECODE_PROMPT_LEN, vocab), st.new_tokens))
+            f["decode_b32"].samples.append(n / t)
+            log(f"  {label[:40]} rep {rep + 1}: prefill {f['prefill'].samples[-1]:.0f} tok/s, "
+                f"decode b1 {f['decode_b1'].samples[-1]:.1f}, "
+                f"b32 {f['decode_b32'].samples[-1]:.0f}")
     return figs
 
 
@@ -341,6 +349,22 @@ def run_hf(model: nn.Module, vocab: int, st: Settings, b32: bool, guard: Guard, 
             f"decode b1 {figs['decode_b1'].samples[-1]:.1f}"
             + (f", b32 {figs['decode_b32'].samples[-1]:.0f}" if b32 else ""))
     return figs
+
+
+def _kernels(engine: LLMEngine) -> str:
+    if engine.batch_invariant:
+        return f"exact kernels, {kernels.isa_name()}"
+    return "oneDNN + SDPA kernels" if engine.config.quantization is None else "int8 kernels"
+
+
+def _invariance_cost(results: dict[str, dict[str, Figure]], keys: list[str]) -> list[str] | None:
+    """The default (exact) engine's figures as a fraction of the fast path's, same run."""
+    labels = list(results)
+    if len(labels) < 2 or "no-batch-invariant" not in labels[1]:
+        return None
+    exact, fast = results[labels[0]], results[labels[1]]
+    return ["**exact / fast** (cost of invariance; 1.00 = free)",
+            *(f"{exact[k].value / fast[k].value:.2f}" for k in keys)]
 
 
 def _dtype_name(engine: LLMEngine) -> str:
@@ -375,6 +399,9 @@ def report(args: argparse.Namespace, st: Settings, engine: LLMEngine,
     rows = []
     for label, figs in results.items():
         rows.append([label, *(figs[k].cell() for k in keys)])
+    cost = _invariance_cost(results, keys)
+    if cost:
+        rows.append(cost)
     rows.append(["**target**", *(f"≥ {TARGETS[k]:,.0f}" for k in keys)])
     rows.append([f"bound on this machine (roofline, this run's ceilings)",
                  *(f"{bnds[k].tok_s:,.0f}" for k in keys)])
@@ -439,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto = bfloat16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    ap.add_argument("--fast", choices=["on", "off"], default="on",
+                    help="also measure the fast path (--no-batch-invariant: oneDNN + SDPA)")
     ap.add_argument("--int8", choices=["on", "off"], default="on",
                     help="also measure the engine with int8 weight-only quantization")
     ap.add_argument("--max-redos", type=int, default=6,
@@ -475,16 +504,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"  bf16 GEMM 2048^3: {fmt_flops(gemm.best)} (median {fmt_flops(gemm.median)}); "
         f"DRAM read: {dram.best / 1e9:.1f} GB/s (median {dram.median / 1e9:.1f})")
 
-    results: dict[str, dict[str, Figure]] = {}
-    log("splitserve engine ...")
-    results[f"**splitserve** ({_dtype_name(engine)}, this run)"] = run_engine(engine, st, guard,
-                                                                                 log)
+    engines = {f"**splitserve** ({_dtype_name(engine)}, {_kernels(engine)}, this run)": engine}
+    if args.fast == "on" and engine.batch_invariant:
+        fast = make_engine(args, batch_invariant=False)
+        engines[f"splitserve `--no-batch-invariant` ({_kernels(fast)}, this run)"] = fast
     if args.int8 == "on":
-        log("splitserve engine, int8 weight-only ...")
-        engine8 = make_engine(args, quantization="int8")
-        results["splitserve int8 weight-only (opt-in `quantization=\"int8\"`, this run)"] = \
-            run_engine(engine8, st, guard, log)
-        del engine8
+        engines["splitserve int8 weight-only (opt-in `quantization=\"int8\"`, this run)"] = \
+            make_engine(args, quantization="int8")
+    log(f"splitserve engines: {', '.join(engines)} ...")
+    results = run_engines(engines, st, guard, log)
+    del engines
     if not args.no_hf:
         from splitserve.model.default import default_model_path
         path = args.model or default_model_path()

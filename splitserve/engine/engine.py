@@ -83,7 +83,8 @@ class LLMEngine:
         model.load_weights(ckpt.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
-        self.batch_invariant = _resolve_batch_invariant(config, self.device, self.dtype)
+        self.batch_invariant = _resolve_batch_invariant(config, self.device, self.dtype,
+                                                        self.spec.head_dim)
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {config.quantization!r} is not supported; "
@@ -321,13 +322,14 @@ class LLMEngine:
 
 
 def _resolve_batch_invariant(config: EngineConfig, device: torch.device,
-                             dtype: torch.dtype) -> bool:
+                             dtype: torch.dtype, head_dim: int) -> bool:
     """None: exact kernels wherever they exist; True where they do not is an error."""
-    available = config.quantization is None and is_supported(device, dtype)
+    available = config.quantization is None and is_supported(device, dtype, head_dim)
     if config.batch_invariant and not available:
         raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
-                         f"an x86 CPU with AVX2 (got {dtype}, quantization="
-                         f"{config.quantization}, {device}); drop the flag for the fast path")
+                         f"an x86 CPU with AVX2 and head_dim % 16 == 0 (got {dtype}, "
+                         f"quantization={config.quantization}, {device}, head_dim={head_dim}); "
+                         "drop the flag for the fast path")
     return available if config.batch_invariant is None else config.batch_invariant
 
 

@@ -33,9 +33,9 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 
 
-def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether exact kernels exist for this device and dtype (x86 CPUs with AVX2, bf16)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
+def is_supported(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> bool:
+    """Whether exact kernels exist here: bf16 on an x86 CPU with AVX2, head_dim % 16 == 0."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 

@@ -138,9 +138,11 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, std::vecto
     for (int64_t g = 0; g < G; ++g) {
       const bf16_t* q = q0 + g * a.q_head;
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D; c += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c),
-                               (__m512bh)_mm512_loadu_si512(k + c));
+      for (int64_t c = 0; c < D; c += 32) {  // a 16-wide tail reads as zero pairs
+        const __mmask32 m = D - c >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, q + c),
+                               (__m512bh)_mm512_maskz_loadu_epi16(m, k + c));
+      }
       buf[g * Lp + l] = tree16(acc) * a.scale;
     }
   }
@@ -180,7 +182,7 @@ AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, std::vector<fl
       const bf16_t* q = q0 + g * a.q_head;
       V16 acc{_mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t c = 0; c < D; c += 32)
-        for (int half = 0; half < 2; ++half) {
+        for (int half = 0; half < 2 && c + 16 * half < D; ++half) {
           const __m256i qw = _mm256_loadu_si256((const __m256i*)(q + c + 16 * half));
           const __m256i kw = _mm256_loadu_si256((const __m256i*)(k + c + 16 * half));
           __m256& lane = half ? acc.hi : acc.lo;
@@ -239,8 +241,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be int32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t HKV = kv_layer.size(3);
-  TORCH_CHECK(kv_layer.size(4) == D && D % 32 == 0 && H % HKV == 0,
-              "head_dim must be a multiple of 32 and heads a multiple of kv heads");
+  TORCH_CHECK(kv_layer.size(4) == D && D % 16 == 0 && H % HKV == 0,
+              "head_dim must be a multiple of 16 and heads a multiple of kv heads");
   TORCH_CHECK(token_seq.numel() == T && context_lens.numel() == T, "one entry per token");
   at::Tensor out = at::empty({T, H, D}, q.options());
   const auto* kv = reinterpret_cast<const bf16_t*>(kv_layer.data_ptr());

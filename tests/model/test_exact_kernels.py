@@ -1,0 +1,128 @@
+"""The exact (batch-invariant) CPU kernels compute one specified function per output element.
+
+Guarantees checked here, on whatever x86 CPU runs the tests:
+- the linear's every output is the fold written in csrc/exact.cpp (pairwise FMAs over k,
+  odd element first), checked against a torch emulation of that fold;
+- so its rows do not depend on the row count, the thread count or the ISA path: AVX2 and
+  AVX-512 BF16 give the same bits (checked where the CPU has both);
+- attention gives every token the same bits alone or batched, whatever its physical blocks,
+  and is within bf16 rounding of an fp32 reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from splitserve.model import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
+                                reason="exact kernels need an x86 CPU with AVX2")
+
+
+def _isas() -> list[int]:
+    """ISA levels this CPU can run (the native one last)."""
+    ops = kernels.load()
+    before = ops.get_isa()
+    ops.set_isa(0)
+    native = ops.get_isa()
+    ops.set_isa(before)
+    return list(range(1, native + 1))
+
+
+@pytest.fixture
+def ops():
+    """The kernel module; the ISA level set by a test is put back afterwards."""
+    ops = kernels.load()
+    before = ops.get_isa()
+    yield ops
+    ops.set_isa(before)
+
+
+def _fold(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The specified arithmetic in plain torch: acc += x[2p+1]*w[2p+1]; acc += x[2p]*w[2p]
+    (each product is exact in fp32, so these adds are the FMAs)."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range((x.shape[1] + 1) // 2):
+        if 2 * p + 1 < x.shape[1]:
+            acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("k,n", [(64, 48), (37, 45), (576, 960)])
+def test_linear_is_the_specified_fold_on_every_isa(ops, k: int, n: int) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    exact = kernels.ExactLinear(lin)
+    x = torch.randn(9, k, dtype=torch.bfloat16)
+    want = _fold(x, lin.weight.detach())
+    for isa in _isas():
+        ops.set_isa(isa)
+        assert torch.equal(exact(x), want), f"isa level {isa}"
+
+
+def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops) -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(576, 200, bias=True).to(torch.bfloat16)
+    exact = kernels.ExactLinear(lin)
+    x = torch.randn(130, 576, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = exact(x)
+        for isa in _isas():
+            ops.set_isa(isa)
+            for num_threads in (1, 2):
+                torch.set_num_threads(num_threads)
+                for rows in (1, 2, 3, 5, 6, 7, 31, 61, 64, 65, 130):
+                    assert torch.equal(exact(x[:rows]), want[:rows]), (isa, num_threads, rows)
+                    assert torch.equal(exact(x[-rows:]), want[-rows:]), (isa, num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+    # and it is the linear layer, to bf16 rounding
+    torch.testing.assert_close(want, lin(x), rtol=2e-2, atol=2e-2)
+
+
+def _reference_attention(q, kv, tables, token_seq, ctx, scale):
+    out = []
+    heads, kv_heads = q.shape[1], kv.shape[3]
+    for t in range(q.shape[0]):
+        blocks = tables[token_seq[t]].long()
+        keys = kv[0][blocks].flatten(0, 1)[:ctx[t]].float()  # [L, kv_heads, D]
+        values = kv[1][blocks].flatten(0, 1)[:ctx[t]].float()
+        qt = q[t].float().view(kv_heads, heads // kv_heads, -1)
+        probs = (torch.einsum("hgd,lhd->hgl", qt, keys) * scale).softmax(-1)
+        out.append(torch.einsum("hgl,lhd->hgd", probs, values).reshape(heads, -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
+def test_attention_is_per_token_and_block_layout_free(ops, head_dim: int) -> None:
+    torch.manual_seed(2)
+    num_blocks, block_size, kv_heads, heads = 48, 16, 3, 9
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    tables = torch.stack([perm[:20], perm[20:40]])
+    token_seq = torch.tensor([0, 0, 1, 1, 1, 0, 1], dtype=torch.int32)
+    ctx = torch.tensor([1, 17, 100, 33, 320, 250, 16], dtype=torch.int32)
+    q = torch.randn(7, heads + kv_heads, head_dim, dtype=torch.bfloat16)[:, :heads]  # strided
+    scale = head_dim ** -0.5
+    outs = {}
+    for isa in _isas():
+        ops.set_isa(isa)
+        outs[isa] = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
+    got = outs[max(outs)]
+    assert all(torch.equal(o, got) for o in outs.values()), "ISA paths differ"
+    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
+                                                                 scale), rtol=2e-2, atol=1e-2)
+    # Each token alone, with its sequence's blocks moved elsewhere: the same bits.
+    moved = torch.empty_like(kv)
+    new_ids = torch.randperm(num_blocks)
+    moved[:, new_ids] = kv
+    for t in range(7):
+        table = new_ids[tables[token_seq[t]].long()].to(torch.int32)[None]
+        alone = kernels.paged_attention(q[t:t + 1], moved, table,
+                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
+        assert torch.equal(alone[0], got[t]), t
