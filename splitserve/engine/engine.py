@@ -19,7 +19,9 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
-from splitserve.model.kernels import EXACT_KERNELS, is_supported, isa_name, use_exact_linears_
+from splitserve.model.kernels import (EXACT_KERNELS, is_supported, isa_name,
+                                      use_exact_linears_)
+from splitserve.model.kernels import load as load_kernels
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
@@ -327,10 +329,21 @@ def _resolve_batch_invariant(config: EngineConfig, device: torch.device,
     available = config.quantization is None and is_supported(device, dtype, head_dim)
     if config.batch_invariant and not available:
         raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
-                         f"an x86 CPU with AVX2 and head_dim % 16 == 0 (got {dtype}, "
-                         f"quantization={config.quantization}, {device}, head_dim={head_dim}); "
-                         "drop the flag for the fast path")
-    return available if config.batch_invariant is None else config.batch_invariant
+                         f"an x86 CPU with AVX2 and head_dim a multiple of 16 up to 128 (got "
+                         f"{dtype}, quantization={config.quantization}, {device}, head_dim="
+                         f"{head_dim}); drop the flag for the fast path")
+    if not available or config.batch_invariant is False:
+        return False
+    try:
+        load_kernels()
+    except Exception as exc:  # no compiler, no headers: a fresh machine without build tools
+        if config.batch_invariant:
+            raise ValueError(f"batch_invariant=True but the exact kernels failed to build: "
+                             f"{exc}; install g++ (and ninja), or drop the flag") from exc
+        logger.warning("exact kernels failed to build (%s); running the fast path: outputs "
+                       "will depend on batching", exc)
+        return False
+    return True
 
 
 def _step_stats(batch: ScheduledBatch, seconds: float) -> StepStats:

@@ -13,7 +13,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def server(start_server: Any) -> Any:
-    return start_server("--mode", "disagg", "--dtype", "float32", "--threads-per-worker", "1",
+    return start_server("--mode", "disagg", "--threads-per-worker", "1",
                         "--max-model-len", "2048")
 
 

@@ -1,5 +1,9 @@
 """Helpers for the fault tests: arm faults through the admin endpoint, wait for the
-cluster to heal, read counters, check every pool, and the offline reference."""
+cluster to heal, read counters, check every pool, and the offline reference.
+
+Servers run the default dtype (bfloat16) with the exact (batch-invariant) CPU kernels, so a
+request retried, re-prefilled or migrated to another worker mid-stream still produces the
+offline engine's output bit for bit, whatever it was batched with and whatever the threads."""
 from __future__ import annotations
 
 import json
@@ -10,7 +14,7 @@ from typing import Any
 
 import openai
 
-FLAGS = ("--dtype", "float32", "--threads-per-worker", "1", "--max-model-len", "2048",
+FLAGS = ("--threads-per-worker", "1", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20), "--enable-fault-injection")
 
 

@@ -2,6 +2,8 @@
 (cluster/faults.py), a request goes through the openai client, and the client sees either
 the output an unbroken cluster gives (the offline engine's) or a clear error within the
 deadline; afterwards every surviving pool passes check_invariants() and holds nothing.
+Workers and the offline reference run the default dtype (bf16) with the exact kernels, so
+"the same output" is bit for bit even after a replay on another worker.
 
 Rows covered elsewhere: client disconnect (tests/api/test_serving_e2e.py, blocks freed),
 SIGTERM drain (same file), admission limits (tests/api/test_serving_policies_e2e.py).
@@ -42,7 +44,8 @@ def retry_cluster(start_server: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(dtype="float32", num_threads=1, max_model_len=2048)
+    """Default dtype (bf16, exact kernels) like the workers, two threads to their one."""
+    return LLM(num_threads=2, max_model_len=2048)
 
 
 def expected(llm: LLM, prompt: str, max_tokens: int, sampling: dict[str, Any]) -> str:

@@ -34,8 +34,10 @@ _module: ModuleType | None = None
 
 
 def is_supported(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> bool:
-    """Whether exact kernels exist here: bf16 on an x86 CPU with AVX2, head_dim % 16 == 0."""
+    """Whether exact kernels exist here: bf16 on an x86 CPU with AVX2, head_dim a multiple
+    of 16 up to 128."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
+            and head_dim <= 128
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 

@@ -50,6 +50,26 @@ AVX512_TARGET inline float tree16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
+// tree16 of 16 vectors at once, lane j of the result = tree16(v[j]): the same additions of
+// the same operands, done 16 keys wide by a transpose network instead of one key at a time.
+AVX512_TARGET inline __m512 tree16x16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int p = 0; p < 8; ++p)  // lanes i + (i+8): [a_2p(8) | a_2p+1(8)]
+    a[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int q = 0; q < 4; ++q)  // i + (i+4): 128-bit lane k holds b of key 4q+k
+    b[q] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int r = 0; r < 2; ++r)  // i + (i+2): lane k = [c0, c1 of key 8r+k, c0, c1 of 8r+4+k]
+    c[r] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // c0 + c1: element e of 128-bit lane k is key k + 4e
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
 AVX2_TARGET inline float tree16(V16 v) {
   const __m256 a = _mm256_add_ps(v.lo, v.hi);
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -123,31 +143,64 @@ struct Args {
   bf16_t* out;  // [T, H, D] contiguous
 };
 
-inline int64_t key_offset(const Args& a, const int32_t* table, int64_t l) {
-  return table[l / a.block_size] * a.blk_stride + (l % a.block_size) * a.tok_stride;
+// Cache offset of each of the token's keys, in position order (no division per key).
+inline void key_offsets(const Args& a, int64_t t, int64_t h, std::vector<int64_t>& off) {
+  const int32_t* table = a.tables + a.token_seq[t] * a.table_stride;
+  const int64_t L = a.ctx[t];
+  off.resize(L);
+  for (int64_t l0 = 0, b = 0; l0 < L; l0 += a.block_size, ++b) {
+    const int64_t base = table[b] * a.blk_stride + h * a.D;
+    const int64_t n = std::min(a.block_size, L - l0);
+    for (int64_t o = 0; o < n; ++o) off[l0 + o] = base + o * a.tok_stride;
+  }
 }
 
+struct Scratch {
+  std::vector<float> scores;  // [G][Lp]
+  std::vector<int64_t> offsets;  // [L]
+  std::vector<float> values;  // [L][D] fp32 (AVX-512 path)
+};
+
 // ---- one (token, kv head): G query heads over the token's context ----------------------
-AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, std::vector<float>& buf) {
-  const int64_t G = a.H / a.HKV, D = a.D, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
-  const int32_t* table = a.tables + a.token_seq[t] * a.table_stride;
-  buf.assign(G * Lp, 0.f);
+template <int DC>  // head_dim / 16
+AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& sc) {
+  constexpr int64_t D = DC * 16;
+  const int64_t G = a.H / a.HKV, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
+  key_offsets(a, t, h, sc.offsets);
+  const int64_t* off = sc.offsets.data();
+  sc.scores.assign(G * Lp, 0.f);
+  sc.values.resize(L * D);
+  float* buf = sc.scores.data();
   const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
-  for (int64_t l = 0; l < L; ++l) {
-    const bf16_t* k = a.k + key_offset(a, table, l) + h * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const bf16_t* q = q0 + g * a.q_head;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D; c += 32) {  // a 16-wide tail reads as zero pairs
-        const __mmask32 m = D - c >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, q + c),
-                               (__m512bh)_mm512_maskz_loadu_epi16(m, k + c));
+  constexpr int QC = (DC + 1) / 2;  // 32-wide chunks of head_dim; a 16-wide tail reads zeros
+  auto mask = [](int c) { return 32 * (c + 1) <= D ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu; };
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const bf16_t* q = q0 + g * a.q_head;
+    __m512bh qc[QC];
+    for (int c = 0; c < QC; ++c) qc[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask(c), q + 32 * c);
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - l0);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j >= n) continue;
+        const bf16_t* k = a.k + off[l0 + j];
+        for (int c = 0; c < QC; ++c)
+          acc[j] = _mm512_dpbf16_ps(acc[j], qc[c],
+                                    (__m512bh)_mm512_maskz_loadu_epi16(mask(c), k + 32 * c));
       }
-      buf[g * Lp + l] = tree16(acc) * a.scale;
+      _mm512_mask_storeu_ps(buf + g * Lp + l0, (__mmask16)((1u << n) - 1),
+                            _mm512_mul_ps(tree16x16(acc), scale));
     }
   }
+  // pre-convert V rows once for all G heads: [L][D] fp32
+  float* vf = sc.values.data();
+  for (int64_t l = 0; l < L; ++l)
+    for (int c = 0; c < DC; ++c)
+      _mm512_storeu_ps(vf + l * D + 16 * c, bf16x16_to_f32(a.v + off[l] + 16 * c));
   for (int64_t g = 0; g < G; ++g) {
-    float* s = buf.data() + g * Lp;
+    float* s = buf + g * Lp;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < L; ++l) m = s[l] > m ? s[l] : m;
     __m512 sum = _mm512_setzero_ps();
@@ -159,25 +212,34 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, std::vecto
       sum = _mm512_add_ps(sum, e);
     }
     const __m512 z = _mm512_set1_ps(tree16(sum));
-    bf16_t* o = a.out + (t * a.H + h * G + g) * D;
-    for (int64_t c = 0; c < D; c += 16) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t l = 0; l < L; ++l)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(s[l]),
-                              bf16x16_to_f32(a.v + key_offset(a, table, l) + h * D + c), acc);
-      _mm256_storeu_si256((__m256i*)(o + c), f32x16_to_bf16(_mm512_div_ps(acc, z)));
+    __m512 acc[DC];
+    for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; ++l) {
+      const __m512 p = _mm512_set1_ps(s[l]);
+      for (int c = 0; c < DC; ++c)
+        acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf + l * D + 16 * c), acc[c]);
     }
+    bf16_t* o = a.out + (t * a.H + h * G + g) * D;
+    for (int c = 0; c < DC; ++c)
+      _mm256_storeu_si256((__m256i*)(o + 16 * c), f32x16_to_bf16(_mm512_div_ps(acc[c], z)));
   }
 }
 
-AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, std::vector<float>& buf) {
+using AttendFn = void (*)(const Args&, int64_t, int64_t, Scratch&);
+constexpr AttendFn kAttendAvx512[8] = {attend_avx512<1>, attend_avx512<2>, attend_avx512<3>,
+                                       attend_avx512<4>, attend_avx512<5>, attend_avx512<6>,
+                                       attend_avx512<7>, attend_avx512<8>};
+
+AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, Scratch& sc) {
   const int64_t G = a.H / a.HKV, D = a.D, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
-  const int32_t* table = a.tables + a.token_seq[t] * a.table_stride;
-  buf.assign(G * Lp, 0.f);
+  key_offsets(a, t, h, sc.offsets);
+  const int64_t* off = sc.offsets.data();
+  sc.scores.assign(G * Lp, 0.f);
+  std::vector<float>& buf = sc.scores;
   const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
   const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t l = 0; l < L; ++l) {
-    const bf16_t* k = a.k + key_offset(a, table, l) + h * D;
+    const bf16_t* k = a.k + off[l];
     for (int64_t g = 0; g < G; ++g) {
       const bf16_t* q = q0 + g * a.q_head;
       V16 acc{_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -217,7 +279,7 @@ AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, std::vector<fl
       __m256 acc = _mm256_setzero_ps();
       for (int64_t l = 0; l < L; ++l)
         acc = _mm256_fmadd_ps(_mm256_set1_ps(s[l]),
-                              bf16x8_to_f32(a.v + key_offset(a, table, l) + h * D + c), acc);
+                              bf16x8_to_f32(a.v + off[l] + c), acc);
       _mm_storeu_si128((__m128i*)(o + c), f32x8_to_bf16(_mm256_div_ps(acc, z)));
     }
   }
@@ -241,9 +303,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be int32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t HKV = kv_layer.size(3);
-  TORCH_CHECK(kv_layer.size(4) == D && D % 16 == 0 && H % HKV == 0,
-              "head_dim must be a multiple of 16 and heads a multiple of kv heads");
+  TORCH_CHECK(kv_layer.size(4) == D && D % 16 == 0 && D <= 128 && H % HKV == 0,
+              "head_dim must be a multiple of 16 up to 128, heads a multiple of kv heads");
   TORCH_CHECK(token_seq.numel() == T && context_lens.numel() == T, "one entry per token");
+  const int64_t S = block_tables.dim() == 2 ? block_tables.size(0) : 0;
+  const int64_t max_keys = S ? block_tables.size(1) * kv_layer.size(2) : 0;
+  const int32_t* seq = token_seq.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < S && lens[t] >= 1 && lens[t] <= max_keys,
+                "token ", t, ": sequence ", seq[t], " of ", S, ", ", lens[t],
+                " keys (its block table holds ", max_keys, ")");
+  const int32_t* tbl = block_tables.data_ptr<int32_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    TORCH_CHECK(tbl[i] >= 0 && tbl[i] < kv_layer.size(1), "block id ", tbl[i], " out of range");
   at::Tensor out = at::empty({T, H, D}, q.options());
   const auto* kv = reinterpret_cast<const bf16_t*>(kv_layer.data_ptr());
   const int64_t NBLK = kv_layer.size(1), BS = kv_layer.size(2);
@@ -252,14 +325,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
          block_tables.data_ptr<int32_t>(), block_tables.dim() == 2 ? block_tables.size(1) : 0,
          token_seq.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
          H, HKV, D, (float)scale, reinterpret_cast<bf16_t*>(out.data_ptr())};
-  const bool avx512 = get_isa() == 2;
+  const AttendFn attend = get_isa() == 2 ? kAttendAvx512[D / 16 - 1] : attend_avx2;
   at::parallel_for(0, T * HKV, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
-    thread_local std::vector<float> buf;
-    for (int64_t task = begin; task < end; ++task) {
-      if (avx512) attend_avx512(a, task / HKV, task % HKV, buf);
-      else attend_avx2(a, task / HKV, task % HKV, buf);
-    }
+    thread_local Scratch scratch;
+    for (int64_t task = begin; task < end; ++task) attend(a, task / HKV, task % HKV, scratch);
   });
   return out;
 }
