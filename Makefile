@@ -37,7 +37,7 @@ test: setup-test
 	$(BIN)/python -m mypy splitserve
 	$(BIN)/python -m pytest -q $(ARGS)
 	SPLITSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q \
-		tests/engine/test_batch_invariance.py tests/engine/test_resume.py
+		tests/engine/test_batch_invariance.py tests/model/test_exact_kernels.py
 
 bench: setup-test
 	$(BIN)/python bench/engine.py $(ARGS)

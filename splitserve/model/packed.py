@@ -9,15 +9,29 @@ only the reorder is gone (bench/engine.py; docs/benchmarks.md "Engine").
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this PyTorch build packs linear weights for `device` and `dtype`."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this PyTorch build and CPU pack linear weights for `device` and `dtype`
+    (oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on AVX2-only CPUs,
+    nor under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

@@ -77,7 +77,7 @@ requests = st.lists(
               st.booleans(),  # starts with the shared prefix (a prefix-cache hit)
               st.one_of(st.none(), st.integers(0, 2**31)),  # None: greedy; else the seed
               st.integers(1, 6)),  # max_tokens
-    min_size=1, max_size=6)
+    min_size=1, max_size=10)
 
 
 def _check_batch(engines: Engines, batch: list[Any], prefix: list[int], chunk: int) -> None:
@@ -91,7 +91,7 @@ def _check_batch(engines: Engines, batch: list[Any], prefix: list[int], chunk: i
     llm.engine.check_invariants()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
        chunk=st.sampled_from(CHUNKS))
 def test_any_batch_gives_each_request_its_bits_alone_tiny(tiny_engines: Engines, batch: Any,
@@ -99,7 +99,7 @@ def test_any_batch_gives_each_request_its_bits_alone_tiny(tiny_engines: Engines,
     _check_batch(tiny_engines, batch, prefix, chunk)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
        chunk=st.sampled_from(CHUNKS))
 def test_any_batch_gives_each_request_its_bits_alone_default_model(

@@ -15,7 +15,7 @@ from splitserve.model.kernels import ExactLinear, is_supported
 from splitserve.model.packed import PackedLinear, can_pack
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
-                                reason="this PyTorch build has no oneDNN weight packing")
+                                reason="oneDNN cannot pack bf16 weights here (build or CPU ISA)")
 
 
 @pytest.mark.parametrize("bias", [False, True])

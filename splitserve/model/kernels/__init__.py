@@ -13,6 +13,7 @@ ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -48,9 +49,12 @@ def load() -> ModuleType:
         if _module is None:
             from torch.utils import cpp_extension
             src = Path(__file__).parent / "csrc"
+            # The name carries a digest of every source and header: a change rebuilds.
+            digest = hashlib.blake2b(b"".join(f.read_bytes() for f in sorted(src.iterdir())),
+                                     digest_size=6).hexdigest()
             logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
             _module = cpp_extension.load(
-                name="splitserve_exact_v1",
+                name=f"splitserve_exact_{digest}",
                 sources=[str(src / "exact.cpp"), str(src / "attention.cpp")],
                 extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             cap = os.environ.get("SPLITSERVE_CPU_ISA")

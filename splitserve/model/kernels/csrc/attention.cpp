@@ -11,19 +11,15 @@
 //   o    = ( sum over l = 0, 1, ... of e_l * v_l, one FMA per key ) / Z  -> bf16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-using bf16_t = uint16_t;
-
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+using namespace exact;
 
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
@@ -31,11 +27,6 @@ constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f
                             4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 constexpr float kExpMin = -87.0f;  // e^-87 is still a normal float
 
-struct FlushDenormals {
-  unsigned saved;
-  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
 
 // A 16-lane fp32 value as the AVX2 path holds it: lanes 0-7 and 8-15.
 struct V16 {
@@ -112,19 +103,6 @@ AVX512_TARGET inline __m512 bf16x16_to_f32(const bf16_t* p) {
 AVX2_TARGET inline __m256 bf16x8_to_f32(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-AVX512_TARGET inline __m256i f32x16_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-AVX2_TARGET inline __m128i f32x8_to_bf16(__m256 v) {  // as exact.cpp's to_bf16_avx2
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  r = _mm256_blendv_epi8(r, qnan, nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
 struct Args {

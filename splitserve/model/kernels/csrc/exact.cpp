@@ -20,15 +20,14 @@
 // machine's ISA either. Threads split rows and columns, never a reduction.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <cstdint>
 #include <cstring>
-#include <vector>
+
+#include "common.h"
 
 namespace {
 
-using bf16_t = uint16_t;
+using namespace exact;
 
 constexpr int kLanes = 16;      // fp32 lanes of one accumulator (one zmm, two ymm)
 constexpr int kMaxRows = 6;     // rows of x per micro-kernel
@@ -62,12 +61,6 @@ inline uint32_t load_pair(const bf16_t* p, bool full) {
 }
 
 // ---- AVX-512 BF16 -----------------------------------------------------------------------
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-AVX512_TARGET inline __m256i to_bf16_512(__m512 v) {
-  return (__m256i)_mm512_cvtneps_pbh(v);
-}
-
 // C[r, block c] for MR rows x NB 16-column blocks; w points at block 0 of the group,
 // consecutive blocks are `w_block` bf16 apart, each block is [KP][16][2].
 template <int MR, int NB>
@@ -97,41 +90,18 @@ AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const b
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       __m512 v = bias ? _mm512_add_ps(acc[r][c], bv) : acc[r][c];
-      _mm256_mask_storeu_epi16(y + r * ldy + n0, m, to_bf16_512(v));
+      _mm256_mask_storeu_epi16(y + r * ldy + n0, m, f32x16_to_bf16(v));
     }
   }
 }
 
 // ---- AVX2 + FMA: the same arithmetic, one FMA at a time ---------------------------------
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
-
 AVX2_TARGET inline __m256 odd_half(__m256i words) {  // element 2p+1 as fp32
   return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 AVX2_TARGET inline __m256 even_half(__m256i words) {  // element 2p as fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 }
-
-// fp32 -> bf16, round to nearest even, NaN kept quiet (VCVTNEPS2BF16 without its DAZ:
-// the inputs here are never denormal, MXCSR flushed them).
-AVX2_TARGET inline __m128i to_bf16_avx2(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  r = _mm256_blendv_epi8(r, qnan, nan);
-  // pack 8 x u32 (values < 65536) into 8 x u16
-  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-  return _mm_packus_epi32(lo, hi);
-}
-
-struct FlushDenormals {  // MXCSR FTZ | DAZ for this thread while in scope
-  unsigned saved;
-  AVX2_TARGET FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
 
 template <int MR, int NB>
 AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
@@ -171,7 +141,7 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_
       for (int r = 0; r < MR; ++r) {
         const __m256 v = bias ? _mm256_add_ps(acc[r][c][h], bv) : acc[r][c][h];
         alignas(16) bf16_t out[8];
-        _mm_store_si128((__m128i*)out, to_bf16_avx2(v));
+        _mm_store_si128((__m128i*)out, f32x8_to_bf16(v));
         std::memcpy(y + r * ldy + n0, out, sizeof(bf16_t) * (left < 8 ? left : 8));
       }
     }
