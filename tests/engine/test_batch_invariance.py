@@ -1,6 +1,6 @@
 """Batch invariance in the default dtype (bf16, exact kernels): a request's tokens, logits
-(checked through their log-probabilities, bit for bit) and KV are those of the request run
-alone, whatever shares its steps: other requests, prompt chunks of any size, prefix hits,
+(every row any engine samples from, and the log-probabilities, bit for bit) and KV are
+those of the request run alone, whatever shares its steps: other requests, prompt chunks of any size, prefix hits,
 decodes next to prefills. And a sequence prefilled from its prompt plus k generated tokens
 (what a migration or a retry does) continues exactly as the uninterrupted one.
 
@@ -9,6 +9,8 @@ particular oneDNN kernel, so they must hold on every x86 CPU and ISA level.
 """
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve import LLM, SamplingParams
+import splitserve.engine.runner as runner_module
+from splitserve.engine.batch import SampleSpec
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput
 from splitserve.model import kernels
@@ -41,6 +45,46 @@ def _params(seed: int | None, max_tokens: int) -> SamplingParams:
                           ignore_eos=True, logprobs=3)
 
 
+class LogitsLedger:
+    """Every logits row any engine samples from, by (model, prompt + output so far): the
+    same tokens must always give the same full row of logits, bit for bit, in whatever
+    batch, chunk or engine it was computed. (Rows are kept as digests.)"""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[Any, ...], bytes] = {}
+        self.num_checked = 0
+        self._model: str | None = None
+
+    def watch(self, llm: LLM, model: str) -> None:
+        compute_logits = llm.engine.model.compute_logits
+
+        def tagged(hidden: torch.Tensor) -> torch.Tensor:
+            self._model = model
+            return compute_logits(hidden)
+        llm.engine.model.compute_logits = tagged  # type: ignore[method-assign]
+
+    def wrap(self, sample: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(logits: torch.Tensor, specs: list[SampleSpec]) -> Any:
+            for row, spec in zip(logits, specs):
+                key = (self._model, tuple(spec.prompt_token_ids), tuple(spec.output_token_ids))
+                digest = hashlib.blake2b(row.contiguous().numpy().tobytes()).digest()
+                assert self.rows.setdefault(key, digest) == digest, f"logits differ: {key}"
+                self.num_checked += 1
+            return sample(logits, specs)
+        return checked
+
+
+LEDGER = LogitsLedger()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _check_every_logits_row() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "sample", LEDGER.wrap(runner_module.sample))
+        yield
+    assert LEDGER.num_checked > len(LEDGER.rows)  # rows were computed more than once
+
+
 class Engines:
     """Engines over one model: one per chunk size (prefix cache on) and the reference that
     runs each request alone, in one chunk, without prefix caching."""
@@ -51,6 +95,8 @@ class Engines:
         self.alone = LLM(model, max_num_batched_tokens=512, enable_prefix_caching=False,
                          **kwargs)
         assert all(llm.engine.batch_invariant for llm in [self.alone, *self.batched.values()])
+        for llm in [self.alone, *self.batched.values()]:
+            LEDGER.watch(llm, str(model))
         self._memo: dict[Any, tuple[Any, ...]] = {}
 
     def alone_signature(self, prompt: list[int], params: SamplingParams) -> tuple[Any, ...]:
