@@ -20,13 +20,14 @@ from splitserve.errors import InvalidRequestError, KVImportError
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.kernels import (EXACT_KERNELS, is_supported, isa_name,
-                                      use_exact_linears_)
+                                      use_exact_kernels_)
 from splitserve.model.kernels import load as load_kernels
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
 from splitserve.model.quant import QUANTIZATIONS, quantize_int8_
 from splitserve.model.registry import build_model
+from splitserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
         self.batch_invariant = _resolve_batch_invariant(config, self.device, self.dtype,
-                                                        self.spec.head_dim)
+                                                        self.spec)
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {config.quantization!r} is not supported; "
@@ -94,7 +95,7 @@ class LLMEngine:
             quantize_int8_(self.model)
             weights_digest += f"+{config.quantization}"
         elif self.batch_invariant:
-            use_exact_linears_(self.model)
+            use_exact_kernels_(self.model)
         elif can_pack(self.device, self.dtype):
             pack_linears_(self.model)  # same numbers, faster GEMV: no fingerprint change
 
@@ -324,9 +325,11 @@ class LLMEngine:
 
 
 def _resolve_batch_invariant(config: EngineConfig, device: torch.device,
-                             dtype: torch.dtype, head_dim: int) -> bool:
+                             dtype: torch.dtype, spec: ModelSpec) -> bool:
     """None: exact kernels wherever they exist; True where they do not is an error."""
-    available = config.quantization is None and is_supported(device, dtype, head_dim)
+    head_dim = spec.head_dim
+    available = config.quantization is None and is_supported(
+        device, dtype, head_dim, spec.hidden_size, spec.intermediate_size)
     if config.batch_invariant and not available:
         raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
                          f"an x86 CPU with AVX2 and head_dim a multiple of 16 up to 128 (got "

@@ -8,16 +8,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model import kernels
+
 
 class RMSNorm(nn.Module):
+    """y = RMSNorm(x + residual), returning (y, x + residual): the residual add of a
+    decoder layer is fused into the norm that follows it (one kernel on the exact path)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.uses_exact_kernels = False  # kernels.use_exact_kernels_ sets it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (it accumulates bf16 inputs in fp32).
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.uses_exact_kernels:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        h = x if residual is None else x + residual
+        return F.rms_norm(h, (h.shape[-1],), self.weight, self.eps), h
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -86,7 +95,11 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.uses_exact_kernels = False  # kernels.use_exact_kernels_ sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.uses_exact_kernels:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -48,9 +48,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds
+        them, so `x + attn(norm(x))` and `+ mlp(...)` each cost no separate op."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -66,11 +70,12 @@ class LlamaModel(nn.Module):
         on_layer_end = get_forward_context().on_layer_end
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.table(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope)
+            x, residual = layer(x, residual, rope)
             if on_layer_end is not None:
                 on_layer_end(i)
-        return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -126,3 +126,35 @@ def test_attention_is_per_token_and_block_layout_free(ops, head_dim: int) -> Non
         alone = kernels.paged_attention(q[t:t + 1], moved, table,
                                         torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
         assert torch.equal(alone[0], got[t]), t
+
+
+def _norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm in bf16."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(torch.bfloat16)
+
+
+def test_norm_and_silu_mul_rows_are_isa_and_batch_free_and_hf_close(ops) -> None:
+    torch.manual_seed(3)
+    x = (torch.randn(40, 576) * 4).to(torch.bfloat16)
+    res = torch.randn(40, 576).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(576)).to(torch.bfloat16)
+    gate_up = (torch.randn(40, 2 * 1536) * 3).to(torch.bfloat16)
+    outs = {}
+    for isa in _isas():
+        ops.set_isa(isa)
+        y, h = kernels.rms_norm(x, w, 1e-5, res)
+        outs[isa] = (y, h, kernels.silu_mul(gate_up))
+        for rows in (1, 3, 17):  # any batch: the same rows
+            y1, h1 = kernels.rms_norm(x[-rows:], w, 1e-5, res[-rows:])
+            assert torch.equal(y1, y[-rows:]) and torch.equal(h1, h[-rows:])
+            assert torch.equal(kernels.silu_mul(gate_up[-rows:]), outs[isa][2][-rows:])
+    y, h, act = outs[max(outs)]
+    assert all(all(torch.equal(a, b) for a, b in zip(o, outs[max(outs)])) for o in outs.values())
+    assert torch.equal(h, x + res)  # the residual add is torch's bf16 add
+    torch.testing.assert_close(y, _norm_reference(h, w, 1e-5), rtol=1e-2, atol=1e-2)
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
+    y0, h0 = kernels.rms_norm(x, w, 1e-5, None)
+    assert h0 is x or torch.equal(h0, x)

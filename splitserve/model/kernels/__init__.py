@@ -34,11 +34,12 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 
 
-def is_supported(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> bool:
+def is_supported(device: torch.device, dtype: torch.dtype, head_dim: int = 64,
+                 hidden: int = 576, intermediate: int = 1536) -> bool:
     """Whether exact kernels exist here: bf16 on an x86 CPU with AVX2, head_dim a multiple
-    of 16 up to 128."""
+    of 16 up to 128, hidden and intermediate sizes multiples of 16."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
-            and head_dim <= 128
+            and head_dim <= 128 and hidden % 16 == 0 and intermediate % 16 == 0
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
@@ -55,8 +56,10 @@ def load() -> ModuleType:
             logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
             _module = cpp_extension.load(
                 name=f"splitserve_exact_{digest}",
-                sources=[str(src / "exact.cpp"), str(src / "attention.cpp")],
-                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                sources=[str(src / name) for name in ("exact.cpp", "attention.cpp", "layers.cpp")],
+                # no implicit FMA contraction: every rounding is the one written
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"], verbose=False)
             cap = os.environ.get("SPLITSERVE_CPU_ISA")
             if cap:
                 if cap not in ISAS:
@@ -98,14 +101,28 @@ class ExactLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*shape[:-1], self.out_features)
 
 
-def use_exact_linears_(model: nn.Module) -> nn.Module:
-    """Replaces every nn.Linear (projections and LM head) in place; a tied LM head gets its
-    own packed copy and the embedding keeps the plain weight."""
+def use_exact_kernels_(model: nn.Module) -> nn.Module:
+    """Replaces every nn.Linear (projections and LM head) by an ExactLinear, in place (a
+    tied LM head gets its own packed copy; the embedding keeps the plain weight), and
+    switches every layer that has an exact kernel (`uses_exact_kernels`) to it."""
     for module in list(model.modules()):
+        if hasattr(module, "uses_exact_kernels"):
+            setattr(module, "uses_exact_kernels", True)
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, ExactLinear(child))
     return model
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x + residual (x when None), y = RMSNorm(h) (csrc/layers.cpp)."""
+    return load().rms_norm(x.contiguous(), weight, eps, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] on the last dim (csrc/layers.cpp)."""
+    return load().silu_mul(gate_up.contiguous())
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,

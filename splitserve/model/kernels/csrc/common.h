@@ -36,4 +36,90 @@ AVX2_TARGET inline __m128i f32x8_to_bf16(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// exp(x) for x in [-87, 88] (clamped): one polynomial, its FMAs in one order on both
+// paths (cephes expf).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+constexpr float kExpMin = -87.0f;  // e^-87 is still a normal float
+constexpr float kExpMax = 88.0f;  // e^88 is still finite
+
+
+// A 16-lane fp32 value as the AVX2 path holds it: lanes 0-7 and 8-15.
+struct V16 {
+  __m256 lo, hi;
+};
+
+AVX512_TARGET inline float tree16(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+// tree16 of 16 vectors at once, lane j of the result = tree16(v[j]): the same additions of
+// the same operands, done 16 keys wide by a transpose network instead of one key at a time.
+AVX512_TARGET inline __m512 tree16x16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int p = 0; p < 8; ++p)  // lanes i + (i+8): [a_2p(8) | a_2p+1(8)]
+    a[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int q = 0; q < 4; ++q)  // i + (i+4): 128-bit lane k holds b of key 4q+k
+    b[q] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int r = 0; r < 2; ++r)  // i + (i+2): lane k = [c0, c1 of key 8r+k, c0, c1 of 8r+4+k]
+    c[r] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // c0 + c1: element e of 128-bit lane k is key k + 4e
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+AVX2_TARGET inline float tree16(V16 v) {
+  const __m256 a = _mm256_add_ps(v.lo, v.hi);
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+AVX512_TARGET inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+AVX2_TARGET inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(kExpMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX512_TARGET inline __m512 bf16x16_to_f32(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+AVX2_TARGET inline __m256 bf16x8_to_f32(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 }  // namespace exact

@@ -1,0 +1,142 @@
+// Row-wise layers of the exact path, each one call instead of ~10 aten ops (the dispatch a
+// decode step of one token pays for), with the same bits on the AVX-512 and AVX2 paths:
+//
+//   rms_norm:  h = bf16(x + residual)                      (when a residual is given)
+//              ss = tree16(16 lanes, lane i summing h[j]^2 for j = i, i+16, ... in order)
+//              r = 1 / sqrt(ss / H + eps)                  (correctly rounded)
+//              y = bf16(w * bf16(h * r))                   (HF's LlamaRMSNorm order)
+//   silu_mul:  y = bf16(bf16(g / (1 + exp(-g))) * u)       for gate_up = [g | u]
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "common.h"
+
+namespace {
+
+using namespace exact;
+
+AVX512_TARGET inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
+}
+AVX2_TARGET inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(v)), 16));
+}
+
+AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf16_t* w,
+                                   int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t c = 0; c < H; c += 16) {
+    __m512 h = bf16x16_to_f32(x + c);
+    if (res) {
+      h = round_bf16(_mm512_add_ps(h, bf16x16_to_f32(res + c)));
+      _mm256_storeu_si256((__m256i*)(h_out + c), f32x16_to_bf16(h));
+    }
+    ss = _mm512_fmadd_ps(h, h, ss);
+  }
+  const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  const bf16_t* src = res ? h_out : x;
+  for (int64_t c = 0; c < H; c += 16) {
+    const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_to_f32(src + c), rv));
+    _mm256_storeu_si256((__m256i*)(y + c),
+                        f32x16_to_bf16(_mm512_mul_ps(bf16x16_to_f32(w + c), n)));
+  }
+}
+
+AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t* w,
+                               int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
+  V16 ss{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < H; c += 8) {
+    __m256 h = bf16x8_to_f32(x + c);
+    if (res) {
+      h = round_bf16(_mm256_add_ps(h, bf16x8_to_f32(res + c)));
+      _mm_storeu_si128((__m128i*)(h_out + c), f32x8_to_bf16(h));
+    }
+    __m256& lane = (c / 8) % 2 ? ss.hi : ss.lo;
+    lane = _mm256_fmadd_ps(h, h, lane);
+  }
+  const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  const bf16_t* src = res ? h_out : x;
+  for (int64_t c = 0; c < H; c += 8) {
+    const __m256 n = round_bf16(_mm256_mul_ps(bf16x8_to_f32(src + c), rv));
+    _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(bf16x8_to_f32(w + c), n)));
+  }
+}
+
+AVX512_TARGET void silu_mul_row_avx512(const bf16_t* gu, int64_t I, bf16_t* y) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t c = 0; c < I; c += 16) {
+    const __m512 g = bf16x16_to_f32(gu + c);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    _mm256_storeu_si256((__m256i*)(y + c),
+                        f32x16_to_bf16(_mm512_mul_ps(s, bf16x16_to_f32(gu + I + c))));
+  }
+}
+
+AVX2_TARGET void silu_mul_row_avx2(const bf16_t* gu, int64_t I, bf16_t* y) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t c = 0; c < I; c += 8) {
+    const __m256 g = bf16x8_to_f32(gu + c);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 s = round_bf16(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(s, bf16x8_to_f32(gu + I + c))));
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t multiple) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+              t.dim() == 2 && t.size(1) % multiple == 0,
+              name, " must be a contiguous CPU bfloat16 [rows, n] with n % ", multiple, " == 0");
+}
+
+}  // namespace
+
+int64_t get_isa();
+
+// x [M, H] bf16; weight [H] bf16; residual [M, H] bf16 or none. Returns (y, h): h is
+// x + residual (x itself when there is none), y its norm.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const c10::optional<at::Tensor>& residual) {
+  check_rows(x, "x", 16);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "weight must be contiguous bfloat16 [H]");
+  const bool has_res = residual && residual->defined();
+  if (has_res)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == at::kBFloat16, "residual must match x");
+  const int64_t M = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor h = has_res ? at::empty_like(x) : x;
+  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  const auto* rp = has_res ? reinterpret_cast<const bf16_t*>(residual->data_ptr()) : nullptr;
+  const auto* wp = reinterpret_cast<const bf16_t*>(weight.data_ptr());
+  auto* hp = reinterpret_cast<bf16_t*>(h.data_ptr());
+  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  const auto row = get_isa() == 2 ? norm_row_avx512 : norm_row_avx2;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;
+    for (int64_t i = begin; i < end; ++i)
+      row(xp + i * H, rp ? rp + i * H : nullptr, wp, H, (float)eps, hp + i * H, yp + i * H);
+  });
+  return {y, h};
+}
+
+// gate_up [M, 2I] bf16 -> silu(gate) * up [M, I] bf16
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up", 32);
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({M, I}, gate_up.options());
+  const auto* gp = reinterpret_cast<const bf16_t*>(gate_up.data_ptr());
+  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  const auto row = get_isa() == 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;
+    for (int64_t i = begin; i < end; ++i) row(gp + i * 2 * I, I, yp + i * I);
+  });
+  return y;
+}
