@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from splitserve.errors import ModelLoadError
-from splitserve.model.attention import get_forward_context, paged_attention
+from splitserve.model.attention import exact_attention, get_forward_context, paged_attention
 from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from splitserve.model.spec import ModelSpec
 
@@ -28,9 +28,13 @@ class LlamaAttention(nn.Module):
                                   bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        self.uses_exact_kernels = False  # kernels.use_exact_kernels_ sets it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.uses_exact_kernels:
+            out = exact_attention(self.layer_idx, qkv, rope, self.num_heads)
+            return self.o_proj(out.flatten(1))
         # q and k heads side by side: one rotary pass over [num_tokens, heads + kv_heads, head_dim]
         qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)

@@ -158,3 +158,25 @@ def test_norm_and_silu_mul_rows_are_isa_and_batch_free_and_hf_close(ops) -> None
     torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
     y0, h0 = kernels.rms_norm(x, w, 1e-5, None)
     assert h0 is x or torch.equal(h0, x)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_and_kv_write_are_torchs_bf16_ops(ops, head_dim: int) -> None:
+    from splitserve.model.layers import RotaryEmbedding, apply_rotary
+    torch.manual_seed(4)
+    heads, kv_heads, tokens = 9, 3, 21
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    positions = torch.randint(0, 500, (tokens,))
+    cos, sin = rotary.table(positions, torch.bfloat16)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    slots = torch.randperm(64 * 16)[:tokens]
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    want = apply_rotary(qk, cos, sin)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    for isa in _isas():
+        ops.set_isa(isa)
+        kv = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+        q = kernels.rope_write_kv(qkv, cos.squeeze(1), sin.squeeze(1), kv, slots, heads)
+        assert torch.equal(q, want[:, :heads]), isa
+        assert torch.equal(kv[0].view(-1, kv_heads, head_dim)[slots], want[:, heads:]), isa
+        assert torch.equal(kv[1].view(-1, kv_heads, head_dim)[slots], v), isa

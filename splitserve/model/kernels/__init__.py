@@ -56,7 +56,8 @@ def load() -> ModuleType:
             logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
             _module = cpp_extension.load(
                 name=f"splitserve_exact_{digest}",
-                sources=[str(src / name) for name in ("exact.cpp", "attention.cpp", "layers.cpp")],
+                sources=[str(src / name) for name in ("exact.cpp", "attention.cpp",
+                                                          "layers.cpp", "rope.cpp")],
                 # no implicit FMA contraction: every rounding is the one written
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"], verbose=False)
@@ -118,6 +119,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual (x when None), y = RMSNorm(h) (csrc/layers.cpp)."""
     return load().rms_norm(x.contiguous(), weight, eps, residual)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int) -> torch.Tensor:
+    """Rotary q and k (layers.apply_rotary's arithmetic), k and v written at their cache
+    slots; returns q [T, num_heads, head_dim] (csrc/rope.cpp).
+
+    qkv: [T, (num_heads + 2 kv_heads) * head_dim]; cos, signed_sin: [T, head_dim] bf16."""
+    return load().rope_write_kv(qkv.contiguous(), cos, signed_sin, kv_layer, slot_mapping,
+                                num_heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -245,12 +245,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "batch-invariant bf16 linear over packed weights");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
   m.def("rms_norm", &rms_norm, "(y, h): h = x + residual, y = RMSNorm(h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("rope_write_kv", &rope_write_kv, "rotary q and k, k and v into the cache; returns q");
   m.def("set_isa", &set_isa, "0 = detect, 1 = AVX2, 2 = AVX-512 BF16");
   m.def("get_isa", &get_isa);
 }
