@@ -1,4 +1,5 @@
-"""Batch-invariant CPU kernels: the linear layer and paged attention of exact mode.
+"""Batch-invariant ("exact") CPU kernels: linear, paged attention, residual + RMSNorm,
+SiLU * up, rotary + KV write.
 
 A token's bits must not depend on what else shares its engine step (DESIGN 3: any worker
 continues any sequence exactly). oneDNN chooses kernels and blocking by row count and ISA
@@ -51,7 +52,8 @@ def load() -> ModuleType:
             from torch.utils import cpp_extension
             src = Path(__file__).parent / "csrc"
             # The name carries a digest of every source and header: a change rebuilds.
-            digest = hashlib.blake2b(b"".join(f.read_bytes() for f in sorted(src.iterdir())),
+            files = sorted([*src.glob("*.cpp"), *src.glob("*.h")])
+            digest = hashlib.blake2b(b"".join(f.read_bytes() for f in files),
                                      digest_size=6).hexdigest()
             logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
             _module = cpp_extension.load(
