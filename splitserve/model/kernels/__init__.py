@@ -77,14 +77,21 @@ def isa_name() -> str:
     return next((name for name, v in ISAS.items() if v == level), "none")
 
 
+_GROUP = 4  # 16-column blocks per micro-kernel (64 columns)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [ceil(N/16), ceil(K/2), 16, 2]: 16 output columns side by side, each
-    with a pair of consecutive k (the operand layout of a pairwise bf16 dot product);
-    padding is zero."""
+    """[N, K] bf16 -> ceil(N/16) blocks of 16 output columns, each k pair of a column side by
+    side (the operand layout of a pairwise bf16 dot product), stored by groups of 4 blocks
+    as [KP][4][16][2] so a micro-kernel streams one contiguous region (the last group may
+    have fewer blocks). Shape [ceil(N/16), ceil(K/2), 16, 2]; padding is zero."""
     n, k = weight.shape
     nb, kp = -(-n // _LANES), -(-k // 2)
     w = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * kp - k, 0, nb * _LANES - n))
-    return w.view(nb, _LANES, kp, 2).permute(0, 2, 1, 3).contiguous()
+    blocks = w.view(nb, _LANES, kp, 2).permute(0, 2, 1, 3)  # [nb, kp, 16, 2]
+    groups = [blocks[g:g + _GROUP].transpose(0, 1).reshape(-1)  # [kp, blocks, 16, 2]
+              for g in range(0, nb, _GROUP)]
+    return torch.cat(groups).view(nb, kp, _LANES, 2)
 
 
 class ExactLinear(nn.Module):

@@ -63,10 +63,10 @@ inline uint32_t load_pair(const bf16_t* p, bool full) {
 
 // ---- AVX-512 BF16 -----------------------------------------------------------------------
 // C[r, block c] for MR rows x NB 16-column blocks; w points at block 0 of the group,
-// consecutive blocks are `w_block` bf16 apart, each block is [KP][16][2].
+// the group is [KP][NB][16][2] (one contiguous stream: `pair_stride` = NB * 32 bf16 per k pair).
 template <int MR, int NB>
 AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                                int64_t w_block, const float* bias, bf16_t* y, int64_t ldy,
+                                int64_t pair_stride, const float* bias, bf16_t* y, int64_t ldy,
                                 int64_t n_valid) {
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -75,7 +75,7 @@ AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const b
   auto step = [&](int64_t p, bool full) AVX512_TARGET {
     __m512bh b[NB];
     for (int c = 0; c < NB; ++c)
-      b[c] = (__m512bh)_mm512_loadu_si512(w + c * w_block + p * 2 * kLanes);
+      b[c] = (__m512bh)_mm512_loadu_si512(w + p * pair_stride + c * 2 * kLanes);
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * ldx + 2 * p, full));
       for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
@@ -106,7 +106,7 @@ AVX2_TARGET inline __m256 even_half(__m256i words) {  // element 2p as fp32
 
 template <int MR, int NB>
 AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                            int64_t w_block, const float* bias, bf16_t* y, int64_t ldy,
+                            int64_t pair_stride, const float* bias, bf16_t* y, int64_t ldy,
                             int64_t n_valid) {
   __m256 acc[MR][NB][2];
   for (int r = 0; r < MR; ++r)
@@ -117,7 +117,7 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_
     for (int c = 0; c < NB; ++c)
       for (int h = 0; h < 2; ++h) {
         const __m256i words = _mm256_loadu_si256(
-            (const __m256i*)(w + c * w_block + p * 2 * kLanes + h * kLanes));
+            (const __m256i*)(w + p * pair_stride + c * 2 * kLanes + h * kLanes));
         bo[c][h] = odd_half(words);
         be[c][h] = even_half(words);
       }
@@ -206,7 +206,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
   const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const bf16_t*>(w_packed.data_ptr());
   auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  const int64_t w_block = KP * 2 * kLanes;
+  const int64_t w_block = KP * 2 * kLanes;  // one 16-column block; groups are 4 blocks
   const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
   constexpr int64_t kRowChunk = 60;  // rows per task: the group's weights stay in L2
   const int64_t row_chunks = (M + kRowChunk - 1) / kRowChunk;
@@ -220,7 +220,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
       const int64_t r_end = std::min(M, (rc + 1) * kRowChunk);
       for (int64_t r = rc * kRowChunk; r < r_end; r += kMaxRows) {
         const int mr = (int)std::min<int64_t>(kMaxRows, r_end - r);
-        table[mr - 1][nb - 1](xp + r * K, K, K, wp + blk0 * w_block, w_block,
+        table[mr - 1][nb - 1](xp + r * K, K, K, wp + blk0 * w_block, nb * 2 * kLanes,
                               b ? b + n0 : nullptr, yp + r * N + n0, N, n_valid);
       }
     }
