@@ -58,3 +58,83 @@ def test_imports_point_one_way() -> None:
             if used not in ALLOWED[layer]:
                 violations.append(f"{path.relative_to(PKG)} imports splitserve.{used}")
     assert not violations, "\n".join(violations)
+
+
+# Inside cluster/ (issue 17): the router is pure logic, the worker knows only the protocol,
+# the runtime only how to start a worker; the launcher (composition root) sees everything.
+CLUSTER_ALLOWED = {
+    "protocol": set(),
+    "router": set(),
+    "worker": {"protocol"},
+    "runtime": {"worker"},
+    "frontend": {"protocol", "router"},
+    "launcher": {"protocol", "router", "frontend", "worker", "runtime"},
+    "__init__": set(),
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every splitserve module this file imports, TYPE_CHECKING blocks included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("splitserve.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.startswith("splitserve."):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_cluster_parts_point_one_way() -> None:
+    cluster = PKG / "cluster"
+    violations = []
+    for path in cluster.rglob("*.py"):
+        part = path.relative_to(cluster).parts[0].removesuffix(".py")
+        assert part in CLUSTER_ALLOWED, f"add cluster/{part} to CLUSTER_ALLOWED"
+        for name in _imports(path):
+            bits = name.split(".")
+            if bits[:2] != ["splitserve", "cluster"] or len(bits) < 3:
+                continue
+            used = bits[2]
+            if used != part and used not in CLUSTER_ALLOWED[part]:
+                violations.append(f"cluster/{path.relative_to(cluster)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or around a circle (TYPE_CHECKING
+    imports count: a friend class hidden behind one is still a circle)."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {name: {m for m in _imports(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    # A package's __init__ re-exporting its own modules is not a circle.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        stack.append(name)
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.model.tokenizer import Tokenizer
 
 

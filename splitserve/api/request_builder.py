@@ -14,7 +14,7 @@ from splitserve.api.backend import ModelInfo
 from splitserve.api.errors import ModelNotFound
 from splitserve.api.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                     SamplingFields)
-from splitserve.cluster.stream import GenerateRequest
+from splitserve.cluster.frontend.stream import GenerateRequest
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError
 from splitserve.model.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ from splitserve.api.schemas import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
                                     CompletionResponse, DeltaMessage, PromptTokensDetails,
                                     UsageInfo)
-from splitserve.cluster.stream import StreamDelta
+from splitserve.cluster.frontend.stream import StreamDelta
 
 
 class ResponseBuilder(ABC):

@@ -17,9 +17,9 @@ import uvicorn
 from splitserve.api.backend import ModelInfo
 from splitserve.api.request_id import log_config
 from splitserve.api.server import build_app
-from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.launcher import Cluster
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.config import ServeConfig
 from splitserve.model.loader import open_checkpoint
 

@@ -27,7 +27,7 @@ from splitserve.api.schemas import (ChatCompletionRequest, CompletionRequest, Mo
                                     ModelList, StreamOptions)
 from splitserve.api.streaming import (EventStreamResponse, close_iterator, prepend,
                                       sse_events, until_disconnect)
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

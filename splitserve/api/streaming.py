@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from splitserve.api.errors import ClientDisconnected, api_error
 from splitserve.api.request_id import logger
 from splitserve.api.response_builder import ResponseBuilder
-from splitserve.cluster.stream import StreamDelta
+from splitserve.cluster.frontend.stream import StreamDelta
 
 T = TypeVar("T")
 

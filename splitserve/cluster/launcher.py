@@ -7,9 +7,10 @@ import logging
 import os
 from dataclasses import replace
 
-from splitserve.cluster.dispatcher import Dispatcher
-from splitserve.cluster.router import Router, RouterConfig
-from splitserve.cluster.runtime import Runtime, WorkerHandle, WorkerSpec, get_runtime, split_cores
+from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.router.router import Router, RouterConfig
+from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime, split_cores
+from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import ServeConfig
 
 logger = logging.getLogger(__name__)

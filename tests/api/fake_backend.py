@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from splitserve.api.backend import ModelInfo
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.engine.batch import SampledToken
 from splitserve.model.tokenizer import Tokenizer
 

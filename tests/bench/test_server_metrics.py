@@ -6,7 +6,7 @@ import pytest
 
 from splitserve.bench.server_metrics import (PHASES, diff_metrics, parse_metrics,
                                              server_breakdown)
-from splitserve.cluster.metrics import Metrics
+from splitserve.cluster.frontend.metrics import Metrics
 
 
 def _text(m: Metrics) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.admission import AdmissionQueue, ServiceRate, retry_after_s
+from splitserve.cluster.router.admission import AdmissionQueue, ServiceRate, retry_after_s
 
 
 def test_full_queue_rejects() -> None:

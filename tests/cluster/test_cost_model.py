@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.cluster.cost_model import (CostModelConfig, DecodeStepModel, PrefillCostModel,
+from splitserve.cluster.router.cost_model import (CostModelConfig, DecodeStepModel, PrefillCostModel,
                                            Quadratic, transfer_seconds)
 
 CFG = CostModelConfig(prefill_fixed_s=0.005, prefill_per_token_s=0.001,

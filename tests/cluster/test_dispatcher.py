@@ -11,9 +11,9 @@ import zmq
 import zmq.asyncio
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.dispatcher import Dispatcher
-from splitserve.cluster.router import Router, RouterConfig
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.router.router import Router, RouterConfig
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.config import DeadlineConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError, RequestTimeout, WorkerFailed

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.dispatcher import Dispatcher
+from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.config import DeadlineConfig
 from splitserve.errors import WorkerFailed
 from tests.cluster.test_dispatcher import (ScriptedWorker, collect, output, request, run,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.cluster import indexer
-from splitserve.cluster.indexer import PrefixIndex
+from splitserve.cluster.router import indexer
+from splitserve.cluster.router.indexer import PrefixIndex
 from splitserve.kv_cache import KVCacheManager
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 from splitserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored

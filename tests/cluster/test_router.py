@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.router import (DisaggPolicy, Role, RouteDecision, Router, RouterConfig,
+from splitserve.cluster.router.router import (DisaggPolicy, Role, RouteDecision, Router, RouterConfig,
                                        RouteReason, RouteRequest, WorkerLoad)
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 from splitserve.kv_cache.events import BlockStored

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster.protocol import Output
-from splitserve.cluster.stream import StreamMerger
+from splitserve.cluster.frontend.stream import StreamMerger
 from splitserve.engine.batch import SampledToken
 
 

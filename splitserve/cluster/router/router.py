@@ -59,13 +59,13 @@ import numpy as np
 from splitserve.kv_cache.block_hash import BlockHash
 from splitserve.kv_cache.events import KVEvent
 
-from .admission import ServiceRate, retry_after_s
-from .cost_model import DecodeStepModel, PrefillCostModel
-from .indexer import PrefixIndex
-from .placement import RouteDecision, RouteReason, RouteRequest
-from .router_config import DisaggPolicy, RouterConfig
-from .scoring import WorkerColumns, WorkerTerms, argmin_where, score
-from .worker_load import InFlight, Role, WorkerLoad, WorkerState
+from splitserve.cluster.router.admission import ServiceRate, retry_after_s
+from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel
+from splitserve.cluster.router.indexer import PrefixIndex
+from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
+from splitserve.cluster.router.config import DisaggPolicy, RouterConfig
+from splitserve.cluster.router.scoring import WorkerColumns, WorkerTerms, argmin_where, score
+from splitserve.cluster.router.load import InFlight, Role, WorkerLoad, WorkerState
 
 __all__ = ["Router", "RouterConfig", "RouterStats", "DisaggPolicy", "Role", "WorkerLoad",
            "RouteRequest", "RouteDecision", "RouteReason"]

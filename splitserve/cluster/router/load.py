@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .cost_model import CostModelConfig, DecodeStepModel, PrefillCostModel
-from .scoring import WorkerTerms
+from splitserve.cluster.router.cost_model import CostModelConfig, DecodeStepModel, PrefillCostModel
+from splitserve.cluster.router.scoring import WorkerTerms
 
 
 class Role(IntEnum):

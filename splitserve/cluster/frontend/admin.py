@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.faults import FaultSpec
-from splitserve.cluster.metrics import Metrics
-from splitserve.cluster.worker_link import WorkerLink
-from splitserve.cluster.worker_table import WorkerTable
+from splitserve.cluster.protocol import FaultSpec
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.link import WorkerLink
+from splitserve.cluster.frontend.worker_table import WorkerTable
 
 
 class ClusterAdmin:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from splitserve.cluster.protocol import LoadReport, WorkerReady
-from splitserve.cluster.router import Role, Router, WorkerLoad
+from splitserve.cluster.router.router import Role, Router, WorkerLoad
 
 _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .cost_model import CostModelConfig
+from splitserve.cluster.router.cost_model import CostModelConfig
 
 
 class DisaggPolicy(IntEnum):

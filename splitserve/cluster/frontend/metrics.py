@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
-from splitserve.cluster.flight import Flight
+from splitserve.cluster.frontend.flight import Flight
 from splitserve.cluster.protocol import LoadReport
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,

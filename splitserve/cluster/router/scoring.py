@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .router_config import RouterConfig
+from splitserve.cluster.router.config import RouterConfig
 
 
 class WorkerTerms(NamedTuple):

@@ -22,8 +22,9 @@ from typing import Any
 import zmq
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.faults import FaultInjector, FaultSpec
-from splitserve.cluster.runtime import WorkerSpec
+from splitserve.cluster.protocol import FaultSpec
+from splitserve.cluster.worker.faults import FaultInjector
+from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput, stable_text_len
@@ -371,6 +372,3 @@ def main(argv: list[str]) -> int:
     worker.run()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,86 +1,16 @@
-"""Starting and stopping workers: one small interface, a local-process implementation.
-
-A runtime only launches a worker from a `WorkerSpec` (plain JSON: role, index, epoch,
-where the frontend listens, engine arguments, CPU cores) and reports whether it is alive.
-Everything else (registration, tokens, KV) goes over the frontend's socket, so a Ray
-runtime can implement the same interface by starting the same worker as an actor.
-"""
+"""The local runtime: workers as child OS processes of the frontend, pinned to cores."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+
+from splitserve.cluster.runtime.base import Runtime, WorkerHandle
+from splitserve.cluster.worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode", "both")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    role: str  # "prefill" | "decode" | "both" (aggregated)
-    index: int
-    epoch: int  # incarnation: a restarted worker gets a new one (fencing, DESIGN 7)
-    frontend_address: str  # ZeroMQ address of the frontend's ROUTER socket
-    engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs
-    cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
-    kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
-    report_interval_s: float = 0.1  # load reports, which double as heartbeats
-    fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; cluster/faults.py)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
-
-    @property
-    def worker_id(self) -> str:
-        return f"{self.role}-{self.index}"
-
-    @property
-    def identity(self) -> bytes:
-        """The worker's ZeroMQ routing id: who it is and which incarnation."""
-        return f"{self.worker_id}:{self.epoch}".encode()
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> WorkerSpec:
-        data = json.loads(text)
-        if data.get("cpu_cores") is not None:
-            data["cpu_cores"] = tuple(data["cpu_cores"])
-        return WorkerSpec(**data)
-
-
-@dataclass
-class WorkerHandle:
-    spec: WorkerSpec
-    pid: int | None = None  # where the runtime knows one
-
-
-class Runtime(ABC):
-    """Starts workers somewhere and tells whether they still run."""
-
-    @abstractmethod
-    def start_worker(self, spec: WorkerSpec) -> WorkerHandle: ...
-
-    @abstractmethod
-    def stop_worker(self, handle: WorkerHandle, timeout_s: float = 10.0) -> None:
-        """Asks the worker to stop (it frees its KV and checks its pool), kills it after
-        `timeout_s`; returns when it is gone."""
-
-    @abstractmethod
-    def is_alive(self, handle: WorkerHandle) -> bool: ...
-
-    def shutdown(self, handles: list[WorkerHandle], timeout_s: float = 10.0) -> None:
-        for handle in handles:
-            self.stop_worker(handle, timeout_s)
 
 
 class LocalRuntime(Runtime):
@@ -131,15 +61,6 @@ def _worker_env(spec: WorkerSpec) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(len(spec.cpu_cores))
         env["MKL_NUM_THREADS"] = str(len(spec.cpu_cores))
     return env
-
-
-RUNTIMES: dict[str, Callable[[], Runtime]] = {"local": LocalRuntime}
-
-
-def get_runtime(name: str) -> Runtime:
-    if name not in RUNTIMES:
-        raise KeyError(f"runtime {name!r} is not supported; use one of {sorted(RUNTIMES)}")
-    return RUNTIMES[name]()
 
 
 def split_cores(cores: list[int], counts: list[int]) -> list[list[tuple[int, ...]]]:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 
 from splitserve import errors
 from splitserve.cluster import protocol as P
-from splitserve.cluster.flight import Flight, Stage
-from splitserve.cluster.placement import RouteDecision, RouteReason
-from splitserve.cluster.worker_table import WorkerInfo
+from splitserve.cluster.frontend.flight import Flight, Stage
+from splitserve.cluster.router.placement import RouteDecision, RouteReason
+from splitserve.cluster.frontend.worker_table import WorkerInfo
 from splitserve.errors import SplitserveError, WorkerFailed
 
 if TYPE_CHECKING:
-    from splitserve.cluster.dispatcher import Dispatcher
+    from splitserve.cluster.frontend.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
 

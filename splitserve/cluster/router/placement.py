@@ -7,8 +7,8 @@ from enum import IntEnum
 
 from splitserve.kv_cache.block_hash import BlockHash
 
-from .router_config import DisaggPolicy
-from .scoring import Scores
+from splitserve.cluster.router.config import DisaggPolicy
+from splitserve.cluster.router.scoring import Scores
 
 
 @dataclass(slots=True)

@@ -29,16 +29,16 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.admission import AdmissionQueue
-from splitserve.cluster.metrics import Metrics
-from splitserve.cluster.admin import ClusterAdmin
-from splitserve.cluster.flight import Flight, Stage
-from splitserve.cluster.recovery import KV_FAILURE_POLICIES, Recovery, is_transfer_failure
-from splitserve.cluster.router import RouteDecision, Router, RouteRequest
-from splitserve.cluster.membership import router_add_worker, router_observe_load
-from splitserve.cluster.stream import GenerateRequest, StreamDelta
-from splitserve.cluster.worker_link import WorkerLink
-from splitserve.cluster.worker_table import WorkerInfo, WorkerTable
+from splitserve.cluster.router.admission import AdmissionQueue
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.admin import ClusterAdmin
+from splitserve.cluster.frontend.flight import Flight, Stage
+from splitserve.cluster.frontend.recovery import KV_FAILURE_POLICIES, Recovery, is_transfer_failure
+from splitserve.cluster.router.router import RouteDecision, Router, RouteRequest
+from splitserve.cluster.frontend.membership import router_add_worker, router_observe_load
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.link import WorkerLink
+from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
                                RequestTimeout, WorkerFailed)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.placement import RouteDecision, RouteRequest
-from splitserve.cluster.stream import GenerateRequest, StreamDelta, StreamMerger
+from splitserve.cluster.router.placement import RouteDecision, RouteRequest
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta, StreamMerger
 from splitserve.errors import RequestTimeout
 
 

@@ -1,0 +1,4 @@
+"""A worker process: one engine driven by protocol messages from the frontend.
+
+    python -m splitserve.cluster.worker '<WorkerSpec as JSON>'
+"""

@@ -1,0 +1,45 @@
+"""What a runtime hands a worker to start it: plain JSON on the command line, nothing
+secret (role, index, incarnation, where the frontend listens, engine arguments, cores)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # "prefill" | "decode" | "both" (aggregated)
+    index: int
+    epoch: int  # incarnation: a restarted worker gets a new one (fencing, DESIGN 7)
+    frontend_address: str  # ZeroMQ address of the frontend's ROUTER socket
+    engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs
+    cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
+    kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
+    report_interval_s: float = 0.1  # load reports, which double as heartbeats
+    fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; cluster/faults.py)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def identity(self) -> bytes:
+        """The worker's ZeroMQ routing id: who it is and which incarnation."""
+        return f"{self.worker_id}:{self.epoch}".encode()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> WorkerSpec:
+        data = json.loads(text)
+        if data.get("cpu_cores") is not None:
+            data["cpu_cores"] = tuple(data["cpu_cores"])
+        return WorkerSpec(**data)
