@@ -40,7 +40,7 @@ test: setup-test
 		tests/engine/test_batch_invariance.py tests/model/test_exact_kernels.py
 
 bench: setup-test
-	$(BIN)/python bench/engine.py $(ARGS)
+	$(BIN)/python benchmarks/engine.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)

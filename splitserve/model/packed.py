@@ -5,7 +5,7 @@ layout inside every call; at batch-1 decode that streams the weight at ~15 GB/s 
 ~40 GB/s of DRAM bandwidth. Packing once at load time (what PyTorch's inductor does when
 it freezes a CPU model) made the 120 projections of one SmolLM2 decode step 1.56x faster
 and a batch of 32 1.36x faster, with bit-identical outputs: the same oneDNN kernel runs,
-only the reorder is gone (bench/engine.py; docs/benchmarks.md "Engine").
+only the reorder is gone (benchmarks/engine.py; docs/benchmarks.md "Engine").
 """
 from __future__ import annotations
 

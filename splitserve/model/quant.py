@@ -2,7 +2,7 @@
 
 Batch-1 decode streams every weight once per token; on CPU the bf16 GEMV reaches only a
 third of DRAM bandwidth while `_weight_int8pack_mm` reads half the bytes and runs ~3x
-faster (measured in bench/engine.py). Activations stay bf16; each output row has one
+faster (measured in benchmarks/engine.py). Activations stay bf16; each output row has one
 symmetric scale. The numbers differ from bf16, so the quantization is part of the model
 fingerprint: KV from an int8 engine is never mixed with a bf16 engine's.
 """

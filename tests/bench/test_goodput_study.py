@@ -1,4 +1,4 @@
-"""The goodput study's pure logic (bench/goodput_study.py): the rate search, the SLO rule,
+"""The goodput study's pure logic (benchmarks/goodput_study.py): the rate search, the SLO rule,
 the table's texts, the checkpoint round trip and the hand-written parts of its section."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from bench import goodput_study as study  # noqa: E402
+from benchmarks import goodput_study as study  # noqa: E402
 from splitserve.bench import (SLO, BenchConfig, BenchReport, RequestRecord,  # noqa: E402
                               SweepReport, compute_metrics, write_json)
 from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402

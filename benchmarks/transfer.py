@@ -2,9 +2,9 @@
 layer-wise streaming adds before the decode worker's first step, and what int8 KV on the
 wire does to bytes, time and output, all measured in one run.
 
-    python bench/transfer.py              # full run (~3-5 min on 2 cores), writes docs/benchmarks.md
-    python bench/transfer.py --quick      # 1 repetition, 1K/4K tokens, no doc
-    python bench/transfer.py --no-ttft    # throughput only
+    python benchmarks/transfer.py            # ~3-5 min on 2 cores; writes docs/benchmarks.md
+    python benchmarks/transfer.py --quick    # 1 repetition, 1K/4K tokens, no doc
+    python benchmarks/transfer.py --no-ttft  # throughput only
 
 Throughput (KV of 1K, 4K, 16K tokens of the default model: 30 layers x K/V x 3 heads x 64,
 bf16, blocks of 16; random values, since 16K exceeds the model's 8K positions): the blob is
@@ -20,7 +20,7 @@ another process, the connection kept open likewise) and a single-threaded `memcp
 copyto) of the same bytes into a filled buffer. Each method runs in bursts of BURST
 operations; the figures are the steady ones (a stream of transfers), and the first of each
 burst (after the other methods) is reported apart.
-Streaming and int8 agreement: bench/transfer_handoff.py.
+Streaming and int8 agreement: benchmarks/transfer_handoff.py.
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, ServeChild,  # noqa: E402
+from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, ServeChild,  # noqa: E402
                           busy_processes, machine_description, markdown_table, median,
                           write_section)
-from bench.transfer_handoff import (DEADLINE_S, HANDOFF_NOTES, TTFT_PROMPT,  # noqa: E402
+from benchmarks.transfer_handoff import (DEADLINE_S, HANDOFF_NOTES, TTFT_PROMPT,  # noqa: E402
                                     run_agreement, run_ttft, serve_decode)
 from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,  # noqa: E402
                                       ReplyOutcome, TransferReply, record_frame)

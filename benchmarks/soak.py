@@ -7,7 +7,7 @@ engine's), failed with an explicit error, lost (no answer and no error within th
 deadline) or corrupted (completed with another output). Lost and corrupted must be 0.
 At the end every worker's KV pool must pass its invariant check and hold nothing.
 
-    python bench/soak.py [--duration-s 180] [--rate 1.0] [--fault-every-s 12] [--quick]
+    python benchmarks/soak.py [--duration-s 180] [--rate 1.0] [--fault-every-s 12] [--quick]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, machine_description,  # noqa: E402
+from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, machine_description,  # noqa: E402
                           markdown_table, write_section)
 
 # (name, role of the target, fault spec): cycled in this order.

@@ -1,10 +1,10 @@
-"""KV handoff between two engines, for bench/transfer.py: what layer-wise streaming adds
+"""KV handoff between two engines, for benchmarks/transfer.py: what layer-wise streaming adds
 before the decode worker's first step (2K-token prompt, prefill on A, decode on B in
 another process), and whether int8 KV on the wire changes greedy output.
 
 Streaming (default model, bf16): engine A (this process, 2 threads,
 max_num_batched_tokens 2048: one prefill step) streams over TCP to engine B (another
-process, 1 thread, `bench/transfer.py --serve decode`). "ready" = B committed the KV and
+process, 1 thread, `benchmarks/transfer.py --serve decode`). "ready" = B committed the KV and
 can run its first decode step; compared with A's prefill alone (no transfer, separate
 repetitions), and with sending the held KV after the prefill instead of streaming it. The
 plan round trip (B reserving blocks) happens before the prompt "arrives": in the system it
@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.common import ServeChild, median
+from benchmarks.common import ServeChild, median
 from splitserve.transfer.layer_codec import Compression
 from splitserve.transfer.transport import get_transport
 

@@ -1,8 +1,8 @@
 """Router decision time: `Router.route()` at 64 workers of mixed roles over a prefix index
 of 100K blocks, for 10K realistic prompts; target p99 < 1 ms.
 
-    python bench/router.py            # full run (~1 min on 2 cores), writes docs/benchmarks.md
-    python bench/router.py --quick    # 10K blocks, 2K routes, no doc
+    python benchmarks/router.py          # full run (~1 min on 2 cores), writes docs/benchmarks.md
+    python benchmarks/router.py --quick  # 10K blocks, 2K routes, no doc
 
 Setup (untimed): 16 prefill, 40 decode and 8 aggregated (BOTH) workers with random load
 reports. 100K distinct blocks in chains of 32-256 blocks (real BLAKE2b chained hashes of
@@ -30,7 +30,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
+from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
                           machine_description, markdown_table, other_cpu_load, write_section)
 from splitserve.cluster.router.router import (Role, RouteRequest, Router, RouterConfig,  # noqa: E402
                                        WorkerLoad)
@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "max us"], rows),
         "", *[f"- {k}: {v}" for k, v in info.items()],
         f"- target p99 < 1000 us: **{'met' if p99 < 1000 else 'missed'}** ({p99:.0f} us)",
-        "", "Setup: see the docstring of `bench/router.py`. A route scores every worker "
+        "", "Setup: see the docstring of `benchmarks/router.py`. A route scores every worker "
         "(cost model, memory, TPOT check) in ~30 numpy operations over 64-element arrays; "
         "`match` grows with the prompt's indexed prefix (one dict lookup and one bitmask AND "
         "per block). Python's garbage collector runs during the timed loop as it would in "

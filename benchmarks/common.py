@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts in bench/.
+"""Helpers shared by the benchmark scripts in benchmarks/.
 
 - `machine_description()`: CPU model, cores, memory, library versions, torch threads.
 - `CpuMonitor` / `other_cpu_load()`: how much CPU *other* processes used, so a run on a
@@ -29,7 +29,7 @@ import torch
 DEFAULT_OUTPUT = "docs/benchmarks.md"
 _DOC_PREAMBLE = (
     "# Benchmarks\n\n"
-    "Each `##` section below is written by one script in `bench/` (it replaces only its own "
+    "Each `##` section below is written by one script in `benchmarks/` (it replaces only its own "
     "section). Every section names the machine, the command and the date it was measured "
     "with; figures from different sections or dates are not directly comparable.\n")
 

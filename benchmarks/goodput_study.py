@@ -2,9 +2,9 @@
 the TTFT and the TPOT SLO, for colocated (`agg`), disaggregated (`disagg`) and conditionally
 disaggregated (`auto`) serving on the same 2 cores, on three workloads.
 
-    python bench/goodput_study.py --table all            # ~40 min; writes docs/
-    python bench/goodput_study.py --table a --resume     # reuse finished sweeps
-    python bench/goodput_study.py --table all --quick --out /tmp/gp   # ~6 min check
+    python benchmarks/goodput_study.py --table all                        # ~40 min; writes docs/
+    python benchmarks/goodput_study.py --table a --resume                 # reuse finished sweeps
+    python benchmarks/goodput_study.py --table all --quick --out /tmp/gp  # ~6 min check
 
 One server at a time (started, warmed up, swept, stopped with SIGTERM). Per workload the
 SLOs come from unloaded latencies measured on `agg` first (`derive_slo`); each
@@ -34,7 +34,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 for _path in (_ROOT, _ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, _split_sections,  # noqa: E402
+from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, _split_sections,  # noqa: E402
                           busy_processes, command_line, machine_description,
                           machine_markdown, markdown_table, now_utc, other_cpu_load,
                           write_section)
@@ -359,7 +359,7 @@ def render_table(t: dict[str, Any], doc_dir: Path) -> str:
     return "\n".join([
         f"### {t['title']}{' (--quick: not a result)' if t['quick'] else ''}", "",
         f"Measured {t['date']} with `{t['command']}` (this table alone: `python "
-        f"bench/goodput_study.py --table {t['key']}`); machine: {t['machine']}.", "",
+        f"benchmarks/goodput_study.py --table {t['key']}`); machine: {t['machine']}.", "",
         f"Workload: {w['description']}; {t['num_requests']} requests per rate; input tokens "
         f"mean {w['mean_input_len']:.0f} / max {w['max_input_len']}, output mean "
         f"{w['mean_output_len']:.0f}" + (f", {w['num_clamped']} cut to the context"
@@ -384,7 +384,7 @@ def hand_written(doc: Path) -> tuple[str, str]:
     start, reading = body.find(METHOD), body.find(READING)
     ends = [i for i in (body.find("\n### (", start), reading) if i > start]
     method = body[start:min(ends, default=len(body))].strip() if start >= 0 else ""
-    return (method or f"{METHOD}\n\nSee `bench/goodput_study.py`.",
+    return (method or f"{METHOD}\n\nSee `benchmarks/goodput_study.py`.",
             body[reading:].strip() if reading >= 0 else f"{READING}\n\n_Not written yet._")
 
 

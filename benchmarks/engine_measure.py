@@ -1,4 +1,4 @@
-"""What bench/engine.py measures: the workloads (prefill, batch-1 and batch-32 decode) on
+"""What benchmarks/engine.py measures: the workloads (prefill, batch-1 and batch-32 decode) on
 our engine and on HF transformers, and the roofline bound of each figure."""
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 try:
-    from bench.common import median
-except ImportError:  # run as a plain script from bench/
+    from benchmarks.common import median
+except ImportError:  # run as a plain script from benchmarks/
     from common import median  # type: ignore[no-redef]
 
 from splitserve.engine.engine import LLMEngine

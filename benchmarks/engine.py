@@ -1,11 +1,11 @@
 """Engine throughput on CPU: prefill, batch-1 decode, batch-32 decode, against HF
 transformers and against the machine's own limits, all measured in one run.
 
-    python bench/engine.py                 # full run (~5-8 min on 2 cores), writes docs/benchmarks.md
-    python bench/engine.py --quick         # smoke run: 1 repetition, short decodes
-    python bench/engine.py --no-hf         # skip the HF transformers reference
-    python bench/engine.py --profile       # top torch.profiler/cProfile entries, no doc
-    python bench/engine.py --output PATH   # where the `## Engine` section goes
+    python benchmarks/engine.py                # ~5-8 min on 2 cores; writes docs/benchmarks.md
+    python benchmarks/engine.py --quick        # smoke run: 1 repetition, short decodes
+    python benchmarks/engine.py --no-hf        # skip the HF transformers reference
+    python benchmarks/engine.py --profile      # top torch.profiler/cProfile entries, no doc
+    python benchmarks/engine.py --output PATH  # where the `## Engine` section goes
 
 What is measured (default model SmolLM2-135M-Instruct, engine dtype bf16, 2 threads):
 - prefill: a 512-token prompt, max_tokens=1, time from add_request to the first token
@@ -40,10 +40,10 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 try:
-    from bench.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes, command_line,
+    from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes, command_line,
                               machine_description, markdown_table, measure_dram_read_bandwidth,
                               measure_gemm_flops, now_utc, other_cpu_load, write_section)
-except ImportError:  # run as a plain script from bench/
+except ImportError:  # run as a plain script from benchmarks/
     from common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # type: ignore[no-redef]
                         command_line, machine_description, markdown_table,
                         measure_dram_read_bandwidth, measure_gemm_flops, now_utc,
@@ -205,7 +205,7 @@ def report(args: argparse.Namespace, st: Settings, engine: LLMEngine,
             why.append(f"other processes used {max(load_before, guard.worst_kept):.2f} of "
                        f"{os.cpu_count()} cores")
         lines += [f"**Not a measurement: {' and '.join(why)}. Figures below are distorted; "
-                  "rerun `python bench/engine.py` on a quiet machine.**", ""]
+                  "rerun `python benchmarks/engine.py` on a quiet machine.**", ""]
     lines += [f"Tokens/s, median of {st.reps} repetition(s) after a warm-up "
               "(min-max in brackets). Decode figures time only the decode steps "
               f"({st.new_tokens - 1} tokens per request after the prefill step, greedy, "

@@ -1,4 +1,4 @@
-"""`python bench/engine.py --profile`: where a prefill, a batch-1 and a batch-32 decode step
+"""`python benchmarks/engine.py --profile`: where a prefill, a batch-1 and a batch-32 decode step
 spend their time (torch.profiler op tables and cProfile of the Python side)."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Serving overhead: TTFT and TPOT of one request through `splitserve serve` (disagg and
 agg) against the offline engine on the same prompt, measured in one run.
 
-    python bench/serving.py            # ~4 min on 2 cores; writes docs/benchmarks.md
-    python bench/serving.py --quick    # 2 repetitions, no doc
+    python benchmarks/serving.py          # ~4 min on 2 cores; writes docs/benchmarks.md
+    python benchmarks/serving.py --quick  # 2 repetitions, no doc
 
 One streaming completion at a time (the openai client, real HTTP, SSE), a 512-token prompt
 of random token ids (fresh per repetition, so no prefix-cache hits), 64 output tokens
@@ -26,7 +26,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from bench.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
+from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
                           machine_description, markdown_table, median, write_section)
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
@@ -46,7 +46,7 @@ _ENGINE_LOOP = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 os.sched_setaffinity(0, {cores!r})
-from bench.serving import prompt_ids, OUTPUT_TOKENS
+from benchmarks.serving import prompt_ids, OUTPUT_TOKENS
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
