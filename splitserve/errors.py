@@ -18,10 +18,6 @@ class InvalidRequestError(SplitserveError, ValueError):
         self.field = field
 
 
-class EngineDeadError(SplitserveError):
-    """The engine loop stopped; no further requests can be served by this engine."""
-
-
 class KVImportError(SplitserveError):
     """KV offered to the engine does not fit the request it was meant for."""
 

@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.api.request_id import current_request_id, logger
 from splitserve.api.schemas import ErrorInfo, ErrorResponse
-from splitserve.errors import (AdmissionRejected, EngineDeadError, InvalidRequestError,
-                               RequestTimeout, WorkerFailed)
+from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTimeout,
+                               WorkerFailed)
 
 # Error `type`s, named like the openai client's exception classes.
 _TYPES = {
@@ -109,8 +109,6 @@ def _classify(exc: BaseException) -> ApiError | None:
         return ApiError(504, f"{exc} (stage: {exc.stage})")
     if isinstance(exc, (WorkerFailed, GenerationError)):
         return ApiError(500, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, str(exc))
     if isinstance(exc, ClientDisconnected):
         return ApiError(CLIENT_CLOSED_STATUS, str(exc))
     if isinstance(exc, StarletteHTTPException):
@@ -155,5 +153,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for cls in (RequestValidationError, StarletteHTTPException, InvalidRequestError,
                 ModelNotFound, AdmissionRejected, RequestTimeout, WorkerFailed,
-                GenerationError, EngineDeadError, ClientDisconnected):
+                GenerationError, ClientDisconnected):
         app.add_exception_handler(cls, handle)

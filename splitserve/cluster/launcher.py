@@ -61,7 +61,6 @@ class Cluster:
         router = Router(RouterConfig(
             block_size=cfg.block_size, disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
             tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
-            max_queue_len=cfg.max_queue_len,
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,

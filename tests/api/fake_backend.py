@@ -47,7 +47,6 @@ class FakeBackend:
     last_finish_reason: str | None = None  # overrides the last delta's finish_reason
     num_cached_tokens: int = 0
     ready: bool = True
-    health_error: BaseException | None = None
 
     @classmethod
     def create(cls, tokenizer: Tokenizer) -> FakeBackend:
@@ -58,7 +57,7 @@ class FakeBackend:
     def reset(self) -> None:
         self.requests.clear()
         self.outcomes.clear()
-        self.error_before = self.error_at = self.health_error = None
+        self.error_before = self.error_at = None
         self.hang_at = self.last_finish_reason = None
         self.num_cached_tokens = 0
         self.ready = True
@@ -104,8 +103,6 @@ class FakeBackend:
         return self.ready
 
     def health(self) -> dict[str, object]:
-        if self.health_error is not None:
-            raise self.health_error
         return {"workers": [{"id": "w0", "role": "both", "healthy": True}]}
 
     def metrics_text(self) -> bytes:

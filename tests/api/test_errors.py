@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from fake_backend import FakeBackend
-from splitserve.errors import (AdmissionRejected, EngineDeadError, InvalidRequestError,
-                               RequestTimeout, WorkerFailed)
+from splitserve.errors import AdmissionRejected, InvalidRequestError, RequestTimeout, WorkerFailed
 
 CHAT = [{"role": "user", "content": "Hi!"}]
 
@@ -194,7 +193,6 @@ def test_admission_rejected_through_the_openai_client(client: openai.OpenAI,
 @pytest.mark.parametrize("exc, status, error_type", [
     (RequestTimeout("the prefill took too long", stage="prefill"), 504, "TimeoutError"),
     (WorkerFailed("decode worker 2 died"), 500, "InternalServerError"),
-    (EngineDeadError("the engine loop stopped"), 503, "ServiceUnavailableError"),
 ])
 def test_backend_failures(http: httpx2.Client, client: openai.OpenAI, fake: FakeBackend,
                           exc: Exception, status: int, error_type: str) -> None:
@@ -227,11 +225,6 @@ def test_unexpected_exception_is_a_logged_500_without_details(
     assert logged and getattr(logged[0], "request_id") == "req-boom"
     fake.error_before = None
     _still_serving(client)
-
-
-def test_health_of_a_dead_engine_is_503(http: httpx2.Client, fake: FakeBackend) -> None:
-    fake.health_error = EngineDeadError("the engine loop stopped")
-    _error(http.get("/health"), 503)
 
 
 # ---- after the stream started -------------------------------------------------------------

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.cluster.router.cost_model import (CostModelConfig, DecodeStepModel, PrefillCostModel,
-                                           Quadratic, transfer_seconds)
+from splitserve.cluster.router.cost_model import (CostModelConfig, DecodeStepModel,
+                                                  PrefillCostModel, Quadratic)
 
 CFG = CostModelConfig(prefill_fixed_s=0.005, prefill_per_token_s=0.001,
                       decode_step_base_s=0.02, decode_step_per_seq_s=0.004,
@@ -97,11 +97,6 @@ def test_decode_step_model() -> None:
         model.observe(n, 0.03 + 0.002 * n)
     assert model.coefficients == pytest.approx((0.03, 0.002, 0.0))
     assert model.predict(32) == pytest.approx(0.094)
-
-
-def test_transfer_seconds() -> None:
-    assert transfer_seconds(2_000_000, 1e9, 0.002) == pytest.approx(0.004)
-    assert transfer_seconds(0, 1e9, 0.002) == 0.002
 
 
 def test_bad_samples_and_config_raise() -> None:

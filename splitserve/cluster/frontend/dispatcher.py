@@ -167,7 +167,7 @@ class Dispatcher:
         # Strict FIFO: while others wait, a newcomer queues behind them.
         decision = None if len(self.admission) else self.claim(flight)
         if decision is None:
-            if not self.admission.offer(flight, time.monotonic()):
+            if not self.admission.offer(flight):
                 self.metrics.admission_rejections.labels("429").inc()
                 raise AdmissionRejected(
                     f"server overloaded: {len(self.admission)} requests already queued",
@@ -205,7 +205,7 @@ class Dispatcher:
         """Capacity may have freed up: place queued requests, oldest first."""
         if not len(self.admission):
             return
-        for flight, decision in self.admission.pop_ready(self.claim, time.monotonic()):
+        for flight, decision in self.admission.pop_ready(self.claim):
             if flight.admitted is not None and not flight.admitted.done():
                 flight.admitted.set_result(decision)
 

@@ -1,16 +1,16 @@
 """Admission control (DESIGN.md 5): when the router finds every worker over budget,
 requests wait in a bounded FIFO; beyond its bound the caller answers 429 with
-`Retry-After: retry_after_s()`.
+`Retry-After: Router.retry_after_s(len(queue))`, the time to serve the queue at the rate
+requests finished lately (`ServiceRate`, `retry_after_s` below).
 
-Pure logic: the caller passes the clock (`now`, monotonic seconds) and serializes calls.
-The dispatcher's loop is
+Pure logic: the caller serializes calls and enforces the queue deadline itself. The
+dispatcher's loop is
 
-    if router.route(req) is None and not queue.offer(req, now):
-        reply 429, Retry-After = ceil(queue.retry_after_s(now))
+    if router.route(req) is None and not queue.offer(req):
+        reply 429, Retry-After = ceil(router.retry_after_s(len(queue)))
     ...whenever load or workers change:
-    for req, decision in queue.pop_ready(lambda r: router.route(r.route_request), now):
+    for req, decision in queue.pop_ready(lambda r: router.route(r.route_request)):
         dispatch(req, decision)
-    for req in queue.expire(now): reply 503 (waited longer than max_wait_s)
 """
 from __future__ import annotations
 
@@ -23,87 +23,49 @@ D = TypeVar("D")
 
 
 class AdmissionQueue(Generic[T]):
-    """Bounded FIFO of requests waiting for capacity, with a service-rate estimate."""
+    """Bounded FIFO of requests waiting for capacity."""
 
-    def __init__(self, max_len: int, max_wait_s: float | None = None, *,
-                 rate_window_s: float = 30.0, min_retry_after_s: float = 1.0,
-                 max_retry_after_s: float = 60.0) -> None:
-        """`max_wait_s`: how long an item may wait before `expire` returns it (None: no
-        limit). The service rate is the number of items that left the queue by
-        `pop_ready` in the last `rate_window_s` seconds; `retry_after_s` is clamped to
-        [min_retry_after_s, max_retry_after_s]."""
+    def __init__(self, max_len: int) -> None:
         if max_len < 0:
             raise ValueError(f"max_len={max_len} must be >= 0 (0 rejects whenever busy)")
         self.max_len = max_len
-        self.max_wait_s = max_wait_s
-        self.min_retry_after_s = min_retry_after_s
-        self.max_retry_after_s = max_retry_after_s
-        self._items: deque[tuple[T, float]] = deque()  # (item, enqueued at)
-        self._served = ServiceRate(rate_window_s)  # items that left by pop_ready
-        self.num_rejected = 0
-        self.num_expired = 0
+        self._items: deque[T] = deque()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    @property
-    def is_full(self) -> bool:
-        return len(self._items) >= self.max_len
-
-    def offer(self, item: T, now: float) -> bool:
-        """Enqueue `item`; False (and counted as rejected) when the queue is full."""
-        if self.is_full:
-            self.num_rejected += 1
+    def offer(self, item: T) -> bool:
+        """Enqueue `item`; False when the queue is full."""
+        if len(self._items) >= self.max_len:
             return False
-        self._items.append((item, now))
+        self._items.append(item)
         return True
 
-    def peek(self) -> T | None:
-        """The oldest waiting item, or None."""
-        return self._items[0][0] if self._items else None
-
-    def pop_ready(self, place: Callable[[T], D | None], now: float) -> list[tuple[T, D]]:
+    def pop_ready(self, place: Callable[[T], D | None]) -> list[tuple[T, D]]:
         """Place waiting items oldest first with `place` (e.g. `Router.route`) until one
         cannot be placed (returns None), which keeps its turn: strict FIFO, so a big
         request is not starved by small ones. Returns the placed items with their
         placements."""
         placed: list[tuple[T, D]] = []
         while self._items:
-            item = self._items[0][0]
-            decision = place(item)
+            decision = place(self._items[0])
             if decision is None:
                 break
-            self._items.popleft()
-            self._served.record(now)
-            placed.append((item, decision))
+            placed.append((self._items.popleft(), decision))
         return placed
 
     def remove(self, item: T) -> bool:
-        """Drop a waiting item (its client went away); False when it is not queued."""
-        for i, (queued, _) in enumerate(self._items):
+        """Drop a waiting item (its client went away, or its queue deadline passed);
+        False when it is not queued."""
+        for i, queued in enumerate(self._items):
             if queued is item:
                 del self._items[i]
                 return True
         return False
 
-    def expire(self, now: float) -> list[T]:
-        """Remove and return items that waited longer than `max_wait_s`."""
-        expired: list[T] = []
-        if self.max_wait_s is None:
-            return expired
-        while self._items and now - self._items[0][1] > self.max_wait_s:
-            expired.append(self._items.popleft()[0])
-        self.num_expired += len(expired)
-        return expired
-
-    def retry_after_s(self, now: float) -> float:
-        """Seconds a rejected client should wait (see `retry_after_s` below)."""
-        return retry_after_s(len(self._items), self._served.rate(now),
-                             self.min_retry_after_s, self.max_retry_after_s)
-
 
 class ServiceRate:
-    """Events per second over a sliding window of their times (e.g. requests placed or
+    """Events per second over a sliding window of their times (the router's: requests
     finished)."""
 
     def __init__(self, window_s: float = 30.0) -> None:

@@ -48,9 +48,6 @@ class RouterConfig:
     tpot_window_tokens: int = 64
     # A DisaggPolicy, or its name ("auto" | "always" | "never"), stored as DisaggPolicy.
     disagg: DisaggPolicy | str = DisaggPolicy.AUTO
-    # Admission: queue bound and how long a request may wait in it (None: no limit).
-    max_queue_len: int = 256
-    max_queue_wait_s: float | None = 60.0
     # Retry-After bounds for rejected requests, seconds.
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0

@@ -1,5 +1,6 @@
 """Predicted seconds for the router's costs (DESIGN.md 5): prefill time of t uncached
-tokens, decode step time at n running sequences, and KV transfer time.
+tokens and decode step time at n running sequences. (KV transfer time is latency + bytes /
+bandwidth from the config, in scoring.py.)
 
 Prefill is fitted as `a + b*t + c*t^2` (attention makes long prompts super-linear) by
 least squares over a sliding window of observed (tokens, seconds) samples. A fit is only
@@ -58,11 +59,6 @@ class Quadratic(NamedTuple):
 
     def __call__(self, x: float) -> float:
         return max(0.0, self.a + x * (self.b + x * self.c))
-
-
-def transfer_seconds(num_bytes: int, bandwidth_bytes_s: float, latency_s: float) -> float:
-    """Predicted time to move `num_bytes` of KV over a path: latency + bytes / bandwidth."""
-    return latency_s + num_bytes / bandwidth_bytes_s
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray, degree: int) -> Quadratic | None:

@@ -36,10 +36,6 @@ class RouteReason(IntEnum):
     REMOTE_FASTER = 6
     TPOT_BUDGET = 7  # local was cheaper but would push D's decodes over tpot_slo_s
 
-    @property
-    def is_remote(self) -> bool:
-        return self >= RouteReason.FORCED_REMOTE
-
 
 @dataclass(slots=True)
 class RouteDecision:

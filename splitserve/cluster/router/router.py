@@ -1,7 +1,7 @@
 """The KV-aware router (DESIGN.md 5): places each request on a decode worker, and
 decides whether a prefill worker computes its prompt first (conditional
 disaggregation). Pure logic: no sockets, threads or I/O (the clock is injectable and
-read only for the service rate); the caller serializes calls.
+read only for the service rate and the TPOT horizon); the caller serializes calls.
 
     router = Router(RouterConfig(...))
     router.add_worker("p0", Role.PREFILL, load); router.add_worker("d0", Role.DECODE, load)
@@ -129,7 +129,7 @@ class Router:
         return list(self._workers)
 
     def update_load(self, worker_id: str, load: WorkerLoad) -> None:
-        """A load report; it replaces the in-flight tally (see worker_load.py)."""
+        """A load report; it replaces the in-flight tally (see load.py)."""
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.report(load)
