@@ -59,7 +59,7 @@ class Cluster:
     async def start(self) -> Dispatcher:
         cfg = self.config
         router = Router(RouterConfig(
-            block_size=cfg.block_size, disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
+            disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
             tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
         dispatcher = self.dispatcher = Dispatcher(

@@ -97,7 +97,7 @@ async def collect(stream: AsyncIterator[StreamDelta]) -> list[StreamDelta]:
 def test_local_request_streams_and_draws_a_seed() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (w,) = await workers(d, ctx, "both")
-        assert d.router.config.kv_bytes_per_token == 1000  # learnt from WorkerReady
+        assert d.router.kv_layout.kv_bytes_per_token == 1000  # learnt from WorkerReady
         task = asyncio.create_task(collect(d.generate(request())))
         gen = await w.expect(P.Generate)
         assert not gen.await_kv and gen.params.seed is not None  # drawn by the frontend

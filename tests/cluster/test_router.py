@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cluster.router.router import (DisaggPolicy, Role, RouteDecision, Router, RouterConfig,
-                                       RouteReason, RouteRequest, WorkerLoad)
+from splitserve.cluster.router.router import (DisaggPolicy, KVLayout, Role, RouteDecision,
+                                              Router, RouterConfig, RouteReason, RouteRequest,
+                                              WorkerLoad)
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 from splitserve.kv_cache.events import BlockStored
 
@@ -155,6 +156,24 @@ def test_long_uncached_prompt_goes_remote() -> None:
     assert remote(decision) == ("p0", "d0", RouteReason.REMOTE_FASTER, 0)
     assert decision is not None
     assert decision.predicted_s == pytest.approx(prefill(2048) + transfer(2048) + step(9))
+
+
+def test_kv_layout_comes_from_the_workers() -> None:
+    router = pd(load(running=8))
+    # Twice the bytes per token: twice the wire time (2 ms latency + 2 * 23.6 ms).
+    router.set_kv_layout(KVLayout(block_size=BS, kv_bytes_per_token=2 * 23040))
+    decision = router.route(request(2048))
+    assert decision is not None and decision.prefill_worker == "p0"
+    assert decision.predicted_s == pytest.approx(prefill(2048) + 2 * transfer(2048) - 0.002
+                                                 + step(9))
+    # Blocks of 32: a 40-token prompt's one full block is cached, the last token recomputed.
+    router = make(("a", Role.BOTH, load()))
+    router.set_kv_layout(KVLayout(block_size=32))
+    req = RouteRequest("r", hash_full_blocks(root_hash(FP, None), prompt(40), 32), 40)
+    cache(router, "a", req, 1)
+    assert local(router.route(req)) == ("a", RouteReason.AGGREGATED, 32)
+    with pytest.raises(ValueError, match="block_size=0"):
+        KVLayout(block_size=0)
 
 
 def test_high_prefix_hit_on_the_decode_worker_stays_local() -> None:

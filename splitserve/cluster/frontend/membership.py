@@ -2,21 +2,17 @@
 loaded each one is (LoadReport, with the step timings its cost models fit)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from splitserve.cluster.protocol import LoadReport, WorkerReady
-from splitserve.cluster.router.router import Role, Router, WorkerLoad
+from splitserve.cluster.router.router import KVLayout, Role, Router, WorkerLoad
 
 _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 
 
 def router_add_worker(router: Router, msg: WorkerReady) -> None:
     """Registers (or re-registers) a worker with the router, idle. The workers know the
-    model's KV size (layers, heads, dtype): the router's transfer-time estimate uses it."""
-    cfg = router.config
-    if (cfg.kv_bytes_per_token, cfg.block_size) != (msg.kv_bytes_per_token, msg.block_size):
-        router.config = replace(cfg, kv_bytes_per_token=msg.kv_bytes_per_token,
-                                block_size=msg.block_size)
+    model's KV layout (block size; bytes per token from layers, heads, dtype): the router's
+    block counts and transfer-time estimate use it."""
+    router.set_kv_layout(KVLayout(msg.block_size, msg.kv_bytes_per_token))
     router.add_worker(msg.worker_id, _ROLES[msg.role],
                       WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
 

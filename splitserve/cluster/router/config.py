@@ -1,5 +1,6 @@
-"""The router's knobs (one frozen dataclass) and the disaggregation policy. The cost
-formulas the weights scale are in router.py's docstring."""
+"""The router's knobs (one frozen dataclass), the disaggregation policy, and the KV
+layout the router learns from workers. The cost formulas the weights scale are in
+router.py's docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,12 +28,24 @@ class DisaggPolicy(IntEnum):
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What the router learns from a worker at registration (`WorkerReady`), not a knob:
+    the model's KV block size and KV bytes per token on the wire. The defaults are the
+    default model's: 30 layers * K,V * 3 heads * 64 * bf16 = 23040 bytes."""
+
+    block_size: int = 16
+    kv_bytes_per_token: int = 23040
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"block_size={self.block_size} and kv_bytes_per_token="
+                             f"{self.kv_bytes_per_token} must be positive")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Every routing knob, with its default."""
 
-    block_size: int = 16
-    # KV bytes per token on the wire: 30 layers * K,V * 3 heads * 64 * bf16 (default model).
-    kv_bytes_per_token: int = 23040
     transfer_bandwidth_bytes_s: float = 2e9
     transfer_latency_s: float = 0.002  # per transfer: connect, header, commit round trips
     # Scale the cost terms: prefix credit, load (queue + decode step + stall), memory.
@@ -58,9 +71,8 @@ class RouterConfig:
     cost: CostModelConfig = field(default_factory=CostModelConfig)
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.tpot_window_tokens <= 0:
-            raise ValueError(f"block_size={self.block_size} and tpot_window_tokens="
-                             f"{self.tpot_window_tokens} must be positive")
+        if self.tpot_window_tokens <= 0:
+            raise ValueError(f"tpot_window_tokens={self.tpot_window_tokens} must be positive")
         if self.transfer_bandwidth_bytes_s <= 0:
             raise ValueError(f"transfer_bandwidth_bytes_s={self.transfer_bandwidth_bytes_s} "
                              f"must be positive")

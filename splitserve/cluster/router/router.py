@@ -4,6 +4,7 @@ disaggregation). Pure logic: no sockets, threads or I/O (the clock is injectable
 read only for the service rate and the TPOT horizon); the caller serializes calls.
 
     router = Router(RouterConfig(...))
+    router.set_kv_layout(KVLayout(block_size, kv_bytes_per_token))   # from WorkerReady
     router.add_worker("p0", Role.PREFILL, load); router.add_worker("d0", Role.DECODE, load)
     router.apply_events(worker_id, seq, events)   # False: fetch a snapshot, then
     router.apply_snapshot(worker_id, seq, hashes)
@@ -63,12 +64,12 @@ from splitserve.cluster.router.admission import ServiceRate, retry_after_s
 from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel
 from splitserve.cluster.router.indexer import PrefixIndex
 from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
-from splitserve.cluster.router.config import DisaggPolicy, RouterConfig
+from splitserve.cluster.router.config import DisaggPolicy, KVLayout, RouterConfig
 from splitserve.cluster.router.scoring import WorkerColumns, WorkerTerms, argmin_where, score
 from splitserve.cluster.router.load import InFlight, Role, WorkerLoad, WorkerState
 
-__all__ = ["Router", "RouterConfig", "RouterStats", "DisaggPolicy", "Role", "WorkerLoad",
-           "RouteRequest", "RouteDecision", "RouteReason"]
+__all__ = ["Router", "RouterConfig", "RouterStats", "DisaggPolicy", "KVLayout", "Role",
+           "WorkerLoad", "RouteRequest", "RouteDecision", "RouteReason"]
 
 _IS_PREFILL = WorkerTerms._fields.index("is_prefill")
 
@@ -92,6 +93,7 @@ class Router:
     def __init__(self, config: RouterConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or RouterConfig()
+        self.kv_layout = KVLayout()  # the default model's until a worker reports its own
         self._clock = clock
         self._finished = ServiceRate(self.config.service_rate_window_s)
         self.index = PrefixIndex()
@@ -107,6 +109,12 @@ class Router:
         self._horizon_s = slo * self.config.tpot_window_tokens if slo is not None else 0.0
 
     # -- membership, load, events, timings -------------------------------------------------
+    def set_kv_layout(self, kv_layout: KVLayout) -> None:
+        """The model's KV block size and bytes per token, as a registering worker reports
+        them (every worker serves the same model): block counts and transfer times use
+        them."""
+        self.kv_layout = kv_layout
+
     def add_worker(self, worker_id: str, role: Role, load: WorkerLoad) -> None:
         """Register a worker (again: its role and load are replaced, its index kept)."""
         worker = self._workers.get(worker_id)
@@ -209,7 +217,7 @@ class Router:
         for worker_id, num_blocks in self.index.match(req.block_hashes).items():
             hit_blocks[columns.column_of(worker_id)] = num_blocks
         terms = columns.view()
-        s = score(terms, hit_blocks, req.num_prompt_tokens, config)
+        s = score(terms, hit_blocks, req.num_prompt_tokens, config, self.kv_layout)
         ids = columns.worker_ids
         local = argmin_where(s.local_cost, s.can_decode)
         if local is None:
@@ -246,7 +254,7 @@ class Router:
     def on_dispatched(self, decision: RouteDecision, req: RouteRequest) -> None:
         """The caller sent `req` as decided: count its load until the workers' next load
         reports, and attribute its blocks to its tenant."""
-        bs = self.config.block_size
+        bs = self.kv_layout.block_size
         num_blocks = -(-req.num_prompt_tokens // bs)
         shares: dict[str, InFlight] = {}
         if decision.prefill_worker is not None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from splitserve.cluster.router.config import RouterConfig
+from splitserve.cluster.router.config import KVLayout, RouterConfig
 
 
 class WorkerTerms(NamedTuple):
@@ -96,11 +96,11 @@ class Scores:
 
 
 def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
-          config: RouterConfig) -> Scores:
+          config: RouterConfig, kv: KVLayout) -> Scores:
     """Scores a `num_tokens` prompt of which worker w holds `hit_blocks[w]` leading
     blocks; `terms` is `WorkerColumns.view()`."""
     a, b, c, queue_s, step_s, running, recent_s, free, total, has_room, is_prefill = terms
-    bs = config.block_size
+    bs = kv.block_size
     # NOTE: the engine always recomputes the prompt's last token, so a hit on every block
     # still leaves the last block to compute.
     cached = np.minimum(hit_blocks * bs, (num_tokens - 1) // bs * bs)
@@ -121,7 +121,7 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
         # and the sequences that arrive while they run: an idle worker is no exception.
         within_tpot = step_s + (recent_s + prefill_s) / window <= config.tpot_slo_s
     transfer_s = (config.transfer_latency_s
-                  + uncached * (config.kv_bytes_per_token / config.transfer_bandwidth_bytes_s))
+                  + uncached * (kv.kv_bytes_per_token / config.transfer_bandwidth_bytes_s))
     lw, mw, locality = config.load_weight, config.memory_weight, config.locality_weight
     prefill_cost = prefill_s + (1.0 - locality) * credit_s
     mem_cost = mw * memory_s
