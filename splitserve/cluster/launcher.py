@@ -8,6 +8,8 @@ import os
 from dataclasses import replace
 
 from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
+from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime, split_cores
 from splitserve.cluster.worker.spec import WorkerSpec
@@ -21,8 +23,8 @@ WATCH_PERIOD_S = 0.5
 def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
     """One spec per worker: prefill workers first, then decode (or `both` in agg mode),
     each pinned to its share of this process's cores unless `worker_cores` says otherwise."""
-    pools = ([("prefill", config.prefill), ("decode", config.decode)]
-             if config.mode == "disagg" else [("both", config.decode)])
+    pools = ([(Role.PREFILL, config.prefill), (Role.DECODE, config.decode)]
+             if config.mode == "disagg" else [(Role.BOTH, config.decode)])
     if config.worker_cores is not None:
         flat = [tuple(c) for c in config.worker_cores]
         if len(flat) != sum(n for _, n in pools):
@@ -64,8 +66,9 @@ class Cluster:
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
-            kv_failure_policy=cfg.kv_failure_policy, max_retries=cfg.max_retries,
-            fault_injection=cfg.enable_fault_injection, wait_for_restarts=cfg.restart_workers,
+            retry=RetryPolicy(cfg.max_retries, KVFailurePolicy(cfg.kv_failure_policy),
+                              wait_for_restarts=cfg.restart_workers),
+            fault_injection=cfg.enable_fault_injection,
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None)
         dispatcher.start()
@@ -105,7 +108,7 @@ class Cluster:
                 if self.runtime.is_alive(handle):
                     continue
                 spec = handle.spec
-                dispatcher.recovery.mark_dead(spec.identity, "exited")
+                dispatcher.mark_dead(spec.identity, "exited")
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
                     continue
                 self.runtime.stop_worker(handle)  # reaps the exited process

@@ -1,32 +1,76 @@
-"""Every message between the frontend and the workers, and their msgpack encoding.
+"""Every message between the frontend and the workers, and their encoding.
 
 One ZeroMQ ROUTER socket in the frontend, one DEALER per worker. The DEALER's routing id
 names the worker and its incarnation (`<role>-<index>:<epoch>`), so the frontend knows
-who sent a message without trusting its body. A frame is `msgpack([tag, *fields])`;
-decoding checks the tag, the field count and every field's type against the dataclass,
-and raises ProtocolError otherwise. Nothing is unpickled; no message names a method.
+who sent a message without trusting its body. A frame is `msgpack([tag, *fields])`, each
+field typed and checked on decoding, nested records included (cluster/codec.py).
+Nothing is unpickled; no message names a method.
 
-    frontend -> worker: Generate, Prefill, Abort, ResyncKV, EvictBlocks, Shutdown,
+    frontend -> worker: Generate, Prefill, KVPlan, Abort, ResyncKV, EvictBlocks, Shutdown,
                         InjectFault, CheckPool
-    worker -> frontend: WorkerReady, Output, KVPlanReady, RequestFailed, KVEventBatch,
-                        KVSnapshot, LoadReport, TransferReport, PoolReport
+    worker -> frontend: WorkerReady, Output, KVPlanReady, PrefillDone, RequestFailed,
+                        KVEventBatch, KVSnapshot, LoadReport, TransferReport, PoolReport
+
+A disaggregated request (DESIGN 3): the frontend sends Generate(await_kv) to the decode
+worker D and Prefill to the prefill worker P at once. P prefills and streams token 1
+(Output); D reserves blocks and answers KVPlanReady, which the frontend relays to P as
+KVPlan; P streams the KV to D (holding it if its prefill finished first), then says
+PrefillDone. D streams from token 2 on.
 """
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from enum import Enum
+from typing import Any
 
 import msgpack
 
+from splitserve.cluster.codec import RecordCodec, record_codec
 from splitserve.engine.batch import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.errors import InvalidRequestError, ProtocolError
-from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from splitserve.errors import (InvalidRequestError, KVImportError, KVTransferError,
+                               ProtocolError)
+from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from splitserve.transfer.handle import TransferPlan
+from splitserve.transfer.telemetry import TransferTelemetry
 
-# -- fault injection --------------------------------------------------------------------
+
+class Role(str, Enum):
+    """What a worker does. Every role can prefill locally."""
+    PREFILL = "prefill"  # prefills for decode workers and streams the KV out
+    DECODE = "decode"  # imports KV and decodes
+    BOTH = "both"  # aggregated: prefills and decodes its own requests
+
+    @property
+    def can_decode(self) -> bool:
+        return self is not Role.PREFILL
+
+
+class FailureKind(str, Enum):
+    """Why an attempt failed: what workers report (RequestFailed) and what the frontend
+    finds (deaths, timeouts, broken streams). The values are metric labels."""
+    INVALID_REQUEST = "invalid"  # the request itself is bad: never retried
+    KV_TRANSFER = "kv_transfer"  # a KV transfer or import failed, timed out or was corrupt
+    WORKER_ERROR = "worker_error"  # anything else a worker raised for this request
+    WORKER_DEAD = "worker_dead"  # the worker exited, went silent or was replaced
+    BAD_OUTPUT = "bad_output"  # a worker broke the stream's positions contract
+    TIMEOUT_QUEUE = "timeout_queue"
+    TIMEOUT_PREFILL = "timeout_prefill"  # no first token in time
+    TIMEOUT_HANDOFF = "timeout_handoff"  # token 1 came, the decode worker never went on
+    TIMEOUT_DECODE = "timeout_decode"  # a gap between tokens
+    TIMEOUT_REQUEST = "timeout_request"  # the request's own deadline
+
+    @staticmethod
+    def of(exc: BaseException) -> FailureKind:
+        if isinstance(exc, InvalidRequestError):
+            return FailureKind.INVALID_REQUEST
+        if isinstance(exc, (KVTransferError, KVImportError)):
+            return FailureKind.KV_TRANSFER
+        return FailureKind.WORKER_ERROR
+
+
+# -- fault injection (armed by InjectFault; fired in cluster/worker/faults.py) -------------
 # Fault injection: faults a worker arms on request and fires at named points of its loop,
 # so tests, the chaos test and the soak benchmark can break the cluster on purpose.
 #
@@ -92,6 +136,7 @@ class FaultSpec:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> FaultSpec:
+        """From an operator's JSON (POST /admin/faults)."""
         known = {f.name for f in fields(FaultSpec)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -104,7 +149,6 @@ class FaultSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
 
 
 # -- frontend -> worker ---------------------------------------------------------------------
@@ -127,14 +171,21 @@ class Generate:
 
 @dataclass(slots=True)
 class Prefill:
-    """Prefill a request, stream its first token back and its KV to `plan` (a
-    TransferPlan as a dict, from the decode worker's KVPlanReady)."""
+    """Prefill a request for a decode worker: stream its first token back at once, and its
+    KV once the decode worker's plan arrives (KVPlan), holding it up to `kv_timeout_s`."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     namespace: str | None
-    plan: dict[str, Any]
+    kv_timeout_s: float
     resume_token_ids: list[int] = field(default_factory=list)  # as in Generate
+
+
+@dataclass(slots=True)
+class KVPlan:
+    """Where to send a prefill's KV: the decode worker's plan, relayed by the frontend."""
+    request_id: str
+    plan: TransferPlan
 
 
 @dataclass(slots=True)
@@ -161,9 +212,8 @@ class Shutdown:
 
 @dataclass(slots=True)
 class InjectFault:
-    """Arm a fault (cluster/faults.py FaultSpec as a dict); refused by workers started
-    without fault injection."""
-    spec: dict[str, Any]
+    """Arm a fault; refused by workers started without fault injection."""
+    spec: FaultSpec
 
 
 @dataclass(slots=True)
@@ -177,7 +227,7 @@ class CheckPool:
 @dataclass(slots=True)
 class WorkerReady:
     worker_id: str
-    role: str  # "prefill" | "decode" | "both"
+    role: Role
     pid: int
     fingerprint: str
     block_size: int
@@ -191,7 +241,7 @@ class WorkerReady:
 @dataclass(slots=True)
 class Output:
     """A request's new output, positioned in the request's output (token, text and
-    logprob offsets) so outputs of several workers merge exactly (cluster/stream.py)."""
+    logprob offsets) so outputs of several workers merge exactly (frontend/stream.py)."""
     request_id: str
     token_offset: int
     token_ids: list[int]
@@ -200,7 +250,7 @@ class Output:
     logprobs_offset: int
     logprobs: list[SampledToken] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # OpenAI's: "stop" | "length" | "abort"
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -209,27 +259,43 @@ class Output:
 @dataclass(slots=True)
 class KVPlanReady:
     request_id: str
-    plan: dict[str, Any]
+    plan: TransferPlan
+
+
+@dataclass(slots=True)
+class PrefillDone:
+    """The prefill worker holds nothing more for this request: its KV was handed off (the
+    decode worker committed it) or, when `handed_off` is False, released unsent."""
+    request_id: str
+    handed_off: bool
 
 
 @dataclass(slots=True)
 class RequestFailed:
     request_id: str
-    kind: str  # the exception class name, e.g. "InvalidRequestError", "TransferTimeout"
+    kind: FailureKind
     message: str
-    field: str | None = None  # the request field at fault, for InvalidRequestError
+    field: str | None = None  # the request field at fault, for INVALID_REQUEST
 
 
 @dataclass(slots=True)
 class KVEventBatch:
     seq: int  # per worker, +1 per batch: a gap means events were lost
-    events: list[KVEvent]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 @dataclass(slots=True)
 class KVSnapshot:
     seq: int  # the last event batch this snapshot includes
     block_hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """One engine step, a sample for the router's cost models."""
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -241,17 +307,15 @@ class LoadReport:
     num_awaiting_kv: int
     kv_blocks_used: int
     kv_blocks_total: int
-    # (prefill tokens, decode seqs, seconds) of each step since the previous report
-    steps: list[list[float]] = field(default_factory=list)
+    steps: list[StepTiming] = field(default_factory=list)  # since the previous report
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, cumulative
     num_prompt_tokens: int = 0  # prompt tokens admitted, cumulative
 
 
 @dataclass(slots=True)
 class TransferReport:
-    request_id: str
-    telemetry: dict[str, Any]  # TransferTelemetry.as_dict()
-    error: str | None  # the failure's class name, None when it succeeded
+    """One side's record of one KV transfer (its `error` names the failure, if any)."""
+    telemetry: TransferTelemetry
 
 
 @dataclass(slots=True)
@@ -263,165 +327,28 @@ class PoolReport:
     num_requests: int  # live requests + finished ones holding KV for a transfer
 
 
-Message = (Generate | Prefill | Abort | ResyncKV | Shutdown | WorkerReady | Output
-           | KVPlanReady | RequestFailed | KVEventBatch | KVSnapshot | LoadReport
-           | TransferReport | EvictBlocks | InjectFault | CheckPool | PoolReport)
-_TYPES: list[type] = [Generate, Prefill, Abort, ResyncKV, Shutdown, WorkerReady, Output,
-                      KVPlanReady, RequestFailed, KVEventBatch, KVSnapshot, LoadReport,
-                      TransferReport, EvictBlocks, InjectFault, CheckPool, PoolReport]
+Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdown
+           | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
+           | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
+           | PoolReport)
+_TYPES: tuple[type, ...] = typing.get_args(Message)
+_CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
+_TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}
 
-
-# -- encoding -------------------------------------------------------------------------------
 
 def encode(msg: Message) -> bytes:
-    codec = _CODECS_BY_TYPE[type(msg)]
-    return msgpack.packb([codec.tag, *(enc(getattr(msg, name))
-                                       for name, enc, _ in codec.fields)])
+    tag = _TAGS[type(msg)]
+    return msgpack.packb([tag, *_CODECS[tag].encode(msg)])
 
 
 def decode(frame: bytes) -> Message:
+    """The message in `frame`, fully checked; ProtocolError for anything else."""
     try:
         items = msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"undecodable message: {exc}") from None
-    if not isinstance(items, list) or not items or not isinstance(items[0], int) \
+    if not isinstance(items, list) or not items or type(items[0]) is not int \
             or not 0 <= items[0] < len(_CODECS):
         raise ProtocolError("message is not [known tag, *fields]")
     codec = _CODECS[items[0]]
-    if len(items) - 1 != len(codec.fields):
-        raise ProtocolError(f"{codec.cls.__name__} takes {len(codec.fields)} fields, "
-                            f"got {len(items) - 1}")
-    try:
-        values = {name: dec(v) for (name, _, dec), v in zip(codec.fields, items[1:])}
-        return typing.cast(Message, codec.cls(**values))
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError, KeyError) as exc:  # SamplingParams validation included
-        raise ProtocolError(f"bad {codec.cls.__name__}: {exc}") from None
-
-
-Encoder = Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class _Codec:
-    tag: int
-    cls: type
-    fields: list[tuple[str, Encoder, Encoder]]  # (name, encode, decode)
-
-
-def _check(kinds: tuple[type, ...], what: str) -> Encoder:
-    def dec(v: Any) -> Any:
-        # NOTE: bool is an int in Python; an int field must not take True.
-        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
-            raise ProtocolError(f"expected {what}, got {type(v).__name__}")
-        return v
-    return dec
-
-
-def _same(v: Any) -> Any:
-    return v
-
-
-def _enc_params(p: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-
-
-def _dec_params(v: Any) -> SamplingParams:
-    if not isinstance(v, dict):
-        raise ProtocolError("sampling params must be a map")
-    return SamplingParams(**v)
-
-
-def _enc_logprobs(v: list[SampledToken] | None) -> Any:
-    if v is None:
-        return None
-    return [[t.token_id, t.logprob, None if t.top_logprobs is None
-             else [list(p) for p in t.top_logprobs]] for t in v]
-
-
-def _dec_logprobs(v: Any) -> list[SampledToken] | None:
-    if v is None:
-        return None
-    return [SampledToken(int(t), lp, None if top is None else [(int(i), float(x)) for i, x in top])
-            for t, lp, top in v]
-
-
-def _enc_events(events: list[KVEvent]) -> list[Any]:
-    out: list[Any] = []
-    for e in events:
-        if isinstance(e, BlockStored):
-            out.append([0, e.parent_hash, list(e.block_hashes)])
-        elif isinstance(e, BlockRemoved):
-            out.append([1, None, list(e.block_hashes)])
-        else:
-            out.append([2, None, []])
-    return out
-
-
-def _dec_events(v: Any) -> list[KVEvent]:
-    events: list[KVEvent] = []
-    for kind, parent, hashes in v:
-        if not all(isinstance(h, bytes) for h in hashes) or (
-                parent is not None and not isinstance(parent, bytes)):
-            raise ProtocolError("block hashes must be bytes")
-        if kind == 0:
-            events.append(BlockStored(tuple(hashes), parent))
-        elif kind == 1:
-            events.append(BlockRemoved(tuple(hashes)))
-        elif kind == 2:
-            events.append(AllBlocksCleared())
-        else:
-            raise ProtocolError(f"unknown KV event kind {kind}")
-    return events
-
-
-_SIMPLE: dict[Any, tuple[type, ...]] = {
-    str: (str,), int: (int,), float: (float, int), bool: (bool,), bytes: (bytes,),
-    type(None): (type(None),),
-}
-_SPECIAL: dict[Any, tuple[Encoder, Encoder]] = {
-    SamplingParams: (_enc_params, _dec_params),
-    list[SampledToken] | None: (_enc_logprobs, _dec_logprobs),
-    list[KVEvent]: (_enc_events, _dec_events),
-}
-
-
-def _dec_int_list(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(type(x) is int for x in v):
-        raise ProtocolError("expected a list of ints")
-    return v
-
-
-def _dec_hash_list(v: Any) -> list[bytes]:
-    if not isinstance(v, list) or not all(type(x) is bytes for x in v):
-        raise ProtocolError("expected a list of block hashes (bytes)")
-    return v
-
-
-def _field_codec(tp: Any) -> tuple[Encoder, Encoder]:
-    if tp in _SPECIAL:
-        return _SPECIAL[tp]
-    if tp == list[int]:
-        return _same, _dec_int_list
-    if tp == list[bytes]:
-        return _same, _dec_hash_list
-    parts = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
-    kinds: tuple[type, ...] = ()
-    for part in parts:
-        origin = typing.get_origin(part) or part
-        kinds += _SIMPLE.get(origin, (origin,))
-    return _same, _check(kinds, " | ".join(k.__name__ for k in kinds))
-
-
-def _build() -> list[_Codec]:
-    codecs = []
-    for tag, cls in enumerate(_TYPES):
-        hints = typing.get_type_hints(cls)
-        codecs.append(_Codec(tag, cls, [(f.name, *_field_codec(hints[f.name]))
-                                        for f in dataclasses.fields(cls)]))
-    return codecs
-
-
-_CODECS = _build()
-_CODECS_BY_TYPE = {c.cls: c for c in _CODECS}
+    return typing.cast(Message, codec.decode(items[1:], codec.cls.__name__))

@@ -12,13 +12,16 @@ import zmq.asyncio
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.frontend.recovery import RetryPolicy
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.config import DeadlineConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError, RequestTimeout, WorkerFailed
+from splitserve.transfer.handle import TransferPlan
 
 FINGERPRINT = "f" * 32
+PLAN = TransferPlan("t1", "r1", None, "tcp://127.0.0.1:1", 0, 3, 5.0)
 
 
 class ScriptedWorker:
@@ -32,12 +35,12 @@ class ScriptedWorker:
         self.sock.setsockopt(zmq.ROUTING_ID, f"{self.worker_id}:{epoch}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.role = role
+        self.role = P.Role(role)
 
     async def register(self) -> None:
+        address = "tcp://127.0.0.1:1" if self.role.can_decode else None
         await self.send(P.WorkerReady(self.worker_id, self.role, 1, FINGERPRINT, 16, 100, 2048,
-                                      self.max_num_seqs, "tcp://127.0.0.1:1" if self.role != "prefill" else None,
-                                      1000))
+                                      self.max_num_seqs, address, 1000))
 
     async def send(self, msg: P.Message) -> None:
         await self.sock.send(P.encode(msg))
@@ -114,18 +117,34 @@ def test_remote_prefill_flow_merges_both_workers() -> None:
         p, dec = await workers(d, ctx, "prefill", "decode")
         task = asyncio.create_task(collect(d.generate(request())))
         gen = await dec.expect(P.Generate)
-        assert gen.await_kv
-        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
-        pre = await p.expect(P.Prefill)
-        assert pre.plan == {"transfer_id": "t1"} and pre.params.seed == gen.params.seed
+        pre = await p.expect(P.Prefill)  # at once: P does not wait for D's plan
+        assert gen.await_kv and pre.params.seed == gen.params.seed
         await p.send(output("r1", 0, [5], 0, "x"))  # the first token, from P
-        await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D's commit repeats it
+        await dec.send(P.KVPlanReady("r1", PLAN))
+        assert (await p.expect(P.KVPlan)).plan == PLAN  # relayed
+        await p.send(P.PrefillDone("r1", handed_off=True))
+        await dec.send(output("r1", 1, [6], 1, "y"))  # D goes on from token 2
         await dec.send(output("r1", 2, [9], 2, "z", finished=True))
         deltas = await task
         assert [x.token_ids for x in deltas] == [[5], [6], [9]]
         assert "".join(x.text for x in deltas) == "xyz"
-        abort = await p.expect(P.Abort)  # P never said it finished: it is told to drop it
-        assert abort.request_id == "r1"
+        # P said it was done: nothing more is sent to it (a round trip proves it).
+        await p.send(P.KVEventBatch(1, []))
+        await p.send(P.KVEventBatch(3, []))
+        assert isinstance(await p.recv(), P.ResyncKV)
+    run(scenario, policy="always")
+
+
+def test_a_prefill_worker_that_never_hands_off_is_aborted() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await dec.expect(P.Generate)
+        await p.expect(P.Prefill)
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await dec.send(output("r1", 1, [6], 1, "y", finished=True))
+        await task
+        assert (await p.expect(P.Abort)).request_id == "r1"
     run(scenario, policy="always")
 
 
@@ -160,7 +179,7 @@ def test_a_stalled_decode_times_out_and_is_aborted() -> None:
             await task
         assert err.value.stage == "decode"
         assert (await w.expect(P.Abort)).request_id == "r1"
-    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3), max_retries=0)
+    run(scenario, DeadlineConfig(decode_step_timeout_s=0.3), retry=RetryPolicy(max_retries=0))
 
 
 def test_worker_errors_reach_the_caller_typed() -> None:
@@ -168,7 +187,8 @@ def test_worker_errors_reach_the_caller_typed() -> None:
         (w,) = await workers(d, ctx, "both")
         task = asyncio.create_task(collect(d.generate(request())))
         await w.expect(P.Generate)
-        await w.send(P.RequestFailed("r1", "InvalidRequestError", "bad token", "prompt"))
+        await w.send(P.RequestFailed("r1", P.FailureKind.INVALID_REQUEST, "bad token",
+                                     "prompt"))
         with pytest.raises(InvalidRequestError) as err:
             await task
         assert err.value.field == "prompt"
@@ -201,22 +221,22 @@ def test_messages_from_unknown_or_replaced_workers_are_ignored() -> None:
         retry = await new.expect(P.Generate)  # the request resumes on the new incarnation
         assert retry.request_id == "r1#1"
         await w.send(output("r1", 0, [1], 0, "old epoch", finished=True))  # fenced off
-        await asyncio.sleep(0.2)
-        assert not task.done()
+        await w.expect(P.Shutdown)  # and told to exit: the frontend has handled it
+        assert not task.done() and (
+            b"splitserve_fenced_messages_total 2.0" in d.metrics_text())  # stranger + old
         task.cancel()
     run(scenario)
 
 
-def test_prompt_too_long_and_no_workers_are_refused_up_front() -> None:
+def test_no_decode_worker_is_refused_up_front() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         from splitserve.errors import AdmissionRejected
         with pytest.raises(AdmissionRejected) as err:
             await collect(d.generate(request()))
         assert err.value.status_code == 503
-        await workers(d, ctx, "both")
-        long = GenerateRequest("r2", [1] * 2048, SamplingParams())
-        with pytest.raises(InvalidRequestError, match="max_model_len"):
-            await collect(d.generate(long))
+        await workers(d, ctx, "prefill")
+        with pytest.raises(AdmissionRejected):  # a prefill worker cannot decode
+            await collect(d.generate(request()))
     run(scenario)
 
 
@@ -227,9 +247,10 @@ def test_admission_queue_is_fifo_bounded_and_times_out() -> None:
         await w.register()
         await d.wait_for_workers(1, 5)
         tasks = {}
-        for rid in ("r1", "r2", "r3"):
+        for i, rid in enumerate(("r1", "r2", "r3")):
             tasks[rid] = asyncio.create_task(collect(d.generate(request(rid))))
-            await asyncio.sleep(0.05)
+            while len(d.flights) <= i:  # admitted in this order
+                await asyncio.sleep(0)
         assert (await w.expect(P.Generate)).request_id == "r1"
         assert d.health()["queued"] == 2
         with pytest.raises(AdmissionRejected) as err:  # the queue holds two

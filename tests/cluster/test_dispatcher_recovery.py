@@ -5,6 +5,7 @@ worker processes and fault injection: tests/api/test_faults_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -12,10 +13,18 @@ import zmq.asyncio
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.frontend.flight import FlightState
+from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.config import DeadlineConfig
 from splitserve.errors import WorkerFailed
-from tests.cluster.test_dispatcher import (ScriptedWorker, collect, output, request, run,
-                                           workers)
+from tests.cluster.test_dispatcher import (PLAN, ScriptedWorker, collect, output, request,
+                                           run, workers)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Waits for the dispatcher to have handled what the test sent (bounded by run())."""
+    while not condition():
+        await asyncio.sleep(0.005)
 
 
 def test_a_stalled_decode_resumes_from_the_merged_tokens() -> None:
@@ -42,9 +51,8 @@ def test_a_dead_prefill_worker_is_replaced_by_a_local_prefill() -> None:
         p, dec = await workers(d, ctx, "prefill", "decode")
         task = asyncio.create_task(collect(d.generate(request())))
         assert (await dec.expect(P.Generate)).await_kv
-        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
         await p.expect(P.Prefill)
-        d.recovery.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
         assert (await dec.expect(P.Abort)).request_id == "r1"
         retry = await dec.expect(P.Generate)
         assert retry.request_id == "r1#1" and not retry.await_kv and not retry.resume_token_ids
@@ -60,22 +68,20 @@ def test_kv_failure_policy(policy: str) -> None:
         task = asyncio.create_task(collect(d.generate(request())))
         gen = await dec.expect(P.Generate)
         assert not gen.recompute_on_failure  # only "recompute" lets D fall back by itself
-        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
         await p.expect(P.Prefill)
         await p.send(output("r1", 0, [5], 0, "x"))
-        await dec.send(P.RequestFailed("r1", "ChecksumMismatch", "layer 0 checksum"))
+        await dec.send(P.RequestFailed("r1", P.FailureKind.KV_TRANSFER, "layer 0 checksum"))
         if policy == "fail":
-            with pytest.raises(WorkerFailed, match="ChecksumMismatch.*kv-failure-policy fail"):
+            with pytest.raises(WorkerFailed, match="checksum.*kv-failure-policy fail"):
                 await task
             return
         retry = await dec.expect(P.Generate)
         assert retry.request_id == "r1#1" and retry.await_kv and retry.resume_token_ids == [5]
-        await dec.send(P.KVPlanReady("r1#1", {"transfer_id": "t2"}))
         prefill = await p.expect(P.Prefill)
-        assert prefill.resume_token_ids == [5]
+        assert prefill.request_id == "r1#1" and prefill.resume_token_ids == [5]
         await dec.send(output("r1#1", 0, [5, 6, 7], 0, "xyz", finished=True))
         assert [x.token_ids for x in await task] == [[5], [6, 7]]
-    run(scenario, policy="always", kv_failure_policy=policy)
+    run(scenario, policy="always", retry=RetryPolicy(kv_failure_policy=KVFailurePolicy(policy)))
 
 
 def test_retries_stop_at_the_budget() -> None:
@@ -84,10 +90,10 @@ def test_retries_stop_at_the_budget() -> None:
         task = asyncio.create_task(collect(d.generate(request())))
         for attempt in ("r1", "r1#1"):
             assert (await w.expect(P.Generate)).request_id == attempt
-            await w.send(P.RequestFailed(attempt, "RuntimeError", "boom"))
+            await w.send(P.RequestFailed(attempt, P.FailureKind.WORKER_ERROR, "boom"))
         with pytest.raises(WorkerFailed, match="boom"):
             await task
-    run(scenario, max_retries=1)
+    run(scenario, retry=RetryPolicy(max_retries=1))
 
 
 def test_a_removed_incarnation_is_fenced_and_told_to_exit() -> None:
@@ -95,7 +101,7 @@ def test_a_removed_incarnation_is_fenced_and_told_to_exit() -> None:
         (old,) = await workers(d, ctx, "both")
         new = ScriptedWorker(ctx, d.address, "both", epoch=2)
         await new.register()  # a restart: the new epoch replaces the old one
-        await asyncio.sleep(0.1)
+        await until(lambda: d.table.by_id["both-0"].identity == b"both-0:2")
         await old.send(P.KVEventBatch(1, []))
         await old.expect(P.Shutdown)
         assert b"splitserve_fenced_messages_total 1.0" in d.metrics_text()
@@ -111,7 +117,7 @@ def test_a_routed_hit_the_worker_lacks_is_invalidated() -> None:
         hashes = d._hashes(req)
         from splitserve.kv_cache import BlockStored
         await w.send(P.KVEventBatch(1, [BlockStored(tuple(hashes), None)]))
-        await asyncio.sleep(0.1)
+        await until(lambda: bool(d.router.index.match(hashes)))
         task = asyncio.create_task(collect(d.generate(req)))
         await w.expect(P.Generate)
         out = output("r1", 0, [7], 0, "a", finished=True)
@@ -134,7 +140,7 @@ def test_fault_injection_is_refused_unless_enabled() -> None:
             d.admin.inject_fault("nobody", {"kind": "kill"})
         d.admin.inject_fault("both-0", {"kind": "kill", "point": "decode", "after": 2})
         msg = await w.expect(P.InjectFault)
-        assert msg.spec["point"] == "decode" and msg.spec["after"] == 2
+        assert msg.spec == P.FaultSpec("kill", "decode", after=2)
     run(scenario)
 
 
@@ -143,12 +149,11 @@ def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
         p, dec = await workers(d, ctx, "prefill", "decode")
         task = asyncio.create_task(collect(d.generate(request())))
         await dec.expect(P.Generate)
-        await dec.send(P.KVPlanReady("r1", {"transfer_id": "t1"}))
         await p.expect(P.Prefill)
         await p.send(output("r1", 0, [5], 0, "x"))
-        await dec.send(output("r1", 0, [5, 6], 0, "xy"))  # D committed the KV
-        await asyncio.sleep(0.2)  # the dispatcher reads it
-        d.recovery.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        await dec.send(output("r1", 1, [6], 1, "y"))  # D committed the KV and goes on
+        await until(lambda: d.flights["r1"].state is FlightState.DECODE)
+        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
         await dec.send(output("r1", 2, [7], 2, "z", finished=True))
         assert [x.token_ids for x in await task] == [[5], [6], [7]]
         assert b"splitserve_retries_total" not in d.metrics_text().replace(

@@ -27,7 +27,7 @@ class ClusterAdmin:
         worker = self.table.by_id.get(worker_id)
         if worker is None:
             raise KeyError(f"no worker {worker_id!r}; workers: {sorted(self.table.by_id)}")
-        self.link.send(worker.identity, P.InjectFault(fault.to_dict()))
+        self.link.send(worker.identity, P.InjectFault(fault))
         self.metrics.faults_injected.labels(fault.kind).inc()
         return fault
 

@@ -1,23 +1,24 @@
 """The frontend's side of the cluster: admits requests, asks the router where they go,
 drives them through the workers and merges their outputs into one stream per request.
 
-    generate(req) --admission--> router.route --> decode worker D: Generate(await_kv)
-                                              \\-> D answers KVPlanReady --> prefill worker
-                                                  P: Prefill(plan) --> P streams KV to D
-    P's first token --\\
-    D's tokens --------+--> StreamMerger --> StreamDelta --> the HTTP layer
+    generate(req) --admission--> router.route --+--> D: Generate(await_kv)
+                                                 \\-> P: Prefill            (at once)
+    D: KVPlanReady --relayed as KVPlan--> P --KV--> D;  P: PrefillDone
+    P: token 1 --\\
+    D: tokens 2.. +--> StreamMerger --> StreamDelta --> the HTTP layer
 
-One ZeroMQ ROUTER socket talks to every worker (worker_link.py, protocol.py). A reaper task
-enforces the request deadline and the per-stage timeouts (queue, prefill, KV, decode
-step) and notices silent workers; nothing waits without a limit. The dispatcher runs in
-the frontend's asyncio loop; the router is plain logic called from that loop only.
+One ZeroMQ ROUTER socket talks to every worker (link.py, protocol.py); who is in the
+cluster is workers.py. A reaper task enforces the request deadline and the per-stage
+timeouts (queue, prefill, handoff, decode step) and notices silent workers; nothing waits
+without a limit. Everything runs in the frontend's asyncio loop; the router is plain
+logic called from that loop only.
 
 Failures (DESIGN 7): a worker that dies or goes silent, a prefill that errors, a KV
 transfer that fails (under `--kv-failure-policy retry`) or a stalled stage fails the
-request's current *attempt*; `_recover` starts a new attempt on other workers, resuming
-from the tokens already merged (the engine replays prompt + those tokens and samples on
-exactly as before), until the retry budget or the request deadline runs out. Outputs are
-merged as they arrive, so the resumed stream has each position exactly once.
+request's current *attempt*; `fail_attempt` asks the retry policy (recovery.py) and either
+starts a new attempt on other workers, resuming from the tokens already merged, or gives
+the client the error. Outputs are merged as they arrive, so the resumed stream has each
+position exactly once.
 """
 from __future__ import annotations
 
@@ -29,62 +30,63 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.router.admission import AdmissionQueue
-from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.admin import ClusterAdmin
-from splitserve.cluster.frontend.flight import Flight, Stage
-from splitserve.cluster.frontend.recovery import KV_FAILURE_POLICIES, Recovery, is_transfer_failure
-from splitserve.cluster.router.router import RouteDecision, Router, RouteRequest
-from splitserve.cluster.frontend.membership import router_add_worker, router_observe_load
-from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.flight import Flight, FlightState, Outcome
 from splitserve.cluster.frontend.link import WorkerLink
-from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy, stale_hashes
+from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
+from splitserve.cluster.frontend.workers import Workers
+from splitserve.cluster.frontend.worker_table import WorkerInfo
+from splitserve.cluster.protocol import FailureKind
+from splitserve.cluster.router.admission import AdmissionQueue
+from splitserve.cluster.router.placement import RouteDecision, RouteReason
+from splitserve.cluster.router.router import Router, RouteRequest
 from splitserve.config import DeadlineConfig
-from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
-                               RequestTimeout, WorkerFailed)
+from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTimeout,
+                               SplitserveError, WorkerFailed)
 from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
+from splitserve.transfer.telemetry import TransferSide
 
 logger = logging.getLogger(__name__)
 
+REAPER_PERIOD_S = 0.05
 
 
 class Dispatcher:
     def __init__(self, router: Router, deadlines: DeadlineConfig, *,
-                 max_queue_len: int = 256, kv_failure_policy: str = "recompute",
-                 max_retries: int = 2, fault_injection: bool = False,
-                 wait_for_restarts: bool = False,
+                 max_queue_len: int = 256, retry: RetryPolicy = RetryPolicy(),
+                 fault_injection: bool = False,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                  metrics: Metrics | None = None) -> None:
-        if kv_failure_policy not in KV_FAILURE_POLICIES:
-            raise ValueError(f"kv_failure_policy={kv_failure_policy!r} is not one of "
-                             f"{', '.join(KV_FAILURE_POLICIES)}")
         self.router = router
         self.deadlines = deadlines
-        self.max_queue_len = max_queue_len
-        self.kv_failure_policy = kv_failure_policy
+        self.retry = retry
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
-        self.table = WorkerTable()
-        self.flights: dict[str, Flight] = {}  # by request id
-        self.attempts: dict[str, Flight] = {}  # by the current attempt's id (what workers use)
-        self.recovery = Recovery(self, max_retries=max_retries,
-                                 wait_for_restarts=wait_for_restarts)
-        self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
-        self.max_model_len = 0
-        self.block_size = 16
         self.link = WorkerLink()
         self.address = self.link.address
+        self.workers = Workers(router, self.link, self.metrics)
+        self.table = self.workers.table
+        self.flights: dict[str, Flight] = {}  # by request id
+        self.attempts: dict[str, Flight] = {}  # by the current attempt's id (what workers use)
+        self.stranded: list[Flight] = []  # retries waiting for a decode worker to register
+        self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
         self._registered = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._roots: dict[str | None, bytes] = {}
 
+    @property
+    def max_model_len(self) -> int:
+        return self.workers.max_model_len
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.link.receive(self._on_message),
                                            name="dispatcher-receive"),
-                       asyncio.create_task(self.recovery.reaper_loop(), name="dispatcher-reaper")]
+                       asyncio.create_task(self._reaper(), name="dispatcher-reaper")]
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -112,7 +114,7 @@ class Dispatcher:
     # -- the request path -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         flight = self._admit(request)
-        outcome = "error"
+        outcome = Outcome.ERROR
         try:
             await self._place(flight)
             while True:
@@ -121,29 +123,23 @@ class Dispatcher:
                     raise item
                 yield item
                 if item.finished:
-                    outcome = item.finish_reason or "stop"
+                    outcome = Outcome(item.finish_reason or "stop")
                     return
         except RequestTimeout:
-            outcome = "timeout"
+            outcome = Outcome.TIMEOUT
             raise
         except (GeneratorExit, asyncio.CancelledError):
-            outcome = "abort"  # the client went away
+            outcome = Outcome.ABORT  # the client went away
             raise
         finally:
             self._retire(flight, outcome)
 
     def _admit(self, request: GenerateRequest) -> Flight:
-        rid, n = request.request_id, len(request.prompt_token_ids)
+        rid = request.request_id
         if rid in self.flights:
             raise InvalidRequestError(f"request id {rid!r} is already in flight",
                                       field="request_id")
-        if n == 0:
-            raise InvalidRequestError("prompt is empty", field="prompt")
-        if self.max_model_len and n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {n} tokens, leaving no room to generate within max_model_len="
-                f"{self.max_model_len}; shorten it or raise --max-model-len", field="prompt")
-        if not self.table.healthy(("decode", "both")):
+        if not self.workers.decoders():
             self.metrics.admission_rejections.labels("503").inc()
             raise AdmissionRejected("no decode worker is up", retry_after_s=5.0,
                                     status_code=503)
@@ -153,9 +149,9 @@ class Dispatcher:
         now = time.monotonic()
         timeout = request.timeout_s or self.deadlines.request_timeout_s
         flight = Flight(request, now, now + timeout,
-                         min(now + timeout, now + self.deadlines.queue_timeout_s))
+                        min(now + timeout, now + self.deadlines.queue_timeout_s))
         self.flights[rid] = self.attempts[rid] = flight
-        self.metrics.prompt_tokens.inc(n)
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         return flight
 
     async def _place(self, flight: Flight) -> None:
@@ -163,9 +159,9 @@ class Dispatcher:
         flight.route_req = RouteRequest(
             request_id=req.request_id, block_hashes=self._hashes(req),
             num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.params.max_tokens,
-            tenant=req.tenant)
+            tenant=req.tenant, disagg=req.disagg)
         # Strict FIFO: while others wait, a newcomer queues behind them.
-        decision = None if len(self.admission) else self.claim(flight)
+        decision = None if len(self.admission) else self._claim(flight)
         if decision is None:
             if not self.admission.offer(flight):
                 self.metrics.admission_rejections.labels("429").inc()
@@ -179,11 +175,10 @@ class Dispatcher:
                 self.admission.remove(flight)
         flight.dispatched_at = time.monotonic()
         self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
-        flight.stage = Stage.PREFILL
-        flight.stage_deadline = time.monotonic() + self.deadlines.prefill_timeout_s
-        self.dispatch(flight, decision)
+        flight.advance(FlightState.PREFILL, flight.dispatched_at, self.deadlines)
+        self._dispatch(flight, decision)
 
-    def claim(self, flight: Flight) -> RouteDecision | None:
+    def _claim(self, flight: Flight) -> RouteDecision | None:
         """Routes the request and, when placed, books it on its workers at once, so the
         next decision (of a burst, or of the queue) sees that load."""
         assert flight.route_req is not None
@@ -195,6 +190,8 @@ class Dispatcher:
         self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
         self.router.on_dispatched(decision, flight.route_req)
         flight.decision = decision
+        if flight.attempt == 0:
+            flight.expected_hit = decision.num_cached_tokens
         for worker_id, hashes in self.router.take_evictions().items():
             worker = self.table.by_id.get(worker_id)
             if worker is not None and hashes:
@@ -205,46 +202,39 @@ class Dispatcher:
         """Capacity may have freed up: place queued requests, oldest first."""
         if not len(self.admission):
             return
-        for flight, decision in self.admission.pop_ready(self.claim):
+        for flight, decision in self.admission.pop_ready(self._claim):
             if flight.admitted is not None and not flight.admitted.done():
                 flight.admitted.set_result(decision)
 
-    def dispatch(self, flight: Flight, decision: RouteDecision) -> None:
+    def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
+        """Sends the attempt to its workers: the decode worker and, for a remote prefill,
+        the prefill worker at the same time (the KV plan follows through us)."""
         req, aid = flight.request, flight.attempt_id
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
-        if decision.prefill_worker is not None:
-            flight.prefill_worker = self.table.by_id[decision.prefill_worker].identity
-        flight.workers.add(decode.identity)
-        decode.request_ids.add(aid)
+        self._hold(flight, decode)
         self.link.send(decode.identity, P.Generate(
             aid, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
             kv_timeout_s=self.deadlines.kv_timeout_s,
-            recompute_on_failure=self.kv_failure_policy == "recompute",
+            recompute_on_failure=self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE,
             resume_token_ids=flight.resumed))
+        if decision.prefill_worker is not None:
+            prefill = self.table.by_id[decision.prefill_worker]
+            flight.prefill_worker = prefill.identity
+            self._hold(flight, prefill)
+            self.link.send(prefill.identity, P.Prefill(
+                aid, req.prompt_token_ids, req.params, req.namespace,
+                kv_timeout_s=self.deadlines.kv_timeout_s, resume_token_ids=flight.resumed))
 
-    def _on_kv_plan(self, worker: WorkerInfo, msg: P.KVPlanReady) -> None:
-        flight = self.attempts.get(msg.request_id)
-        if flight is None or flight.prefill_worker is None or flight.is_over \
-                or worker.identity not in flight.workers:
-            return
-        prefill = self.table.get(flight.prefill_worker)
-        if prefill is None or not prefill.healthy:
-            self.recovery.recover(flight, WorkerFailed("the prefill worker left before the KV plan"),
-                          "worker_dead")
-            return
-        req = flight.request
-        flight.workers.add(prefill.identity)
-        prefill.request_ids.add(msg.request_id)
-        self.link.send(prefill.identity, P.Prefill(msg.request_id, req.prompt_token_ids,
-                                               req.params, req.namespace, msg.plan,
-                                               flight.resumed))
+    def _hold(self, flight: Flight, worker: WorkerInfo) -> None:
+        flight.workers.add(worker.identity)
+        worker.request_ids.add(flight.attempt_id)
 
-    def release(self, flight: Flight) -> None:
-        """Drops the current attempt everywhere: aborts it on workers still running it."""
+    def _release(self, flight: Flight) -> None:
+        """Drops the current attempt everywhere: aborts it on workers still holding it."""
         aid = flight.attempt_id
-        if flight in self.recovery.stranded:
-            self.recovery.stranded.remove(flight)
+        if flight in self.stranded:
+            self.stranded.remove(flight)
         self.router.on_finished(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))
@@ -253,21 +243,11 @@ class Dispatcher:
             if info is not None:
                 info.request_ids.discard(aid)
 
-    def _on_delta(self, flight: Flight, delta: StreamDelta) -> None:
-        now = time.monotonic()
-        if delta.token_ids:
-            self.metrics.observe_tokens(flight, len(delta.token_ids), now)
-            if flight.first_token_at is None:
-                flight.first_token_at = now
-            flight.last_token_at = now
-            flight.stage = Stage.DECODE
-            flight.stage_deadline = now + self.deadlines.decode_step_timeout_s
-
-    def _retire(self, flight: Flight, outcome: str) -> None:
+    def _retire(self, flight: Flight, outcome: Outcome) -> None:
         self.flights.pop(flight.request.request_id, None)
         self.attempts.pop(flight.attempt_id, None)
-        self.release(flight)
-        self.metrics.observe_finished(flight, outcome, time.monotonic(), self.slo_ttft_s,
+        self._release(flight)
+        self.metrics.observe_finished(flight, outcome.value, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
         self._admit_queued()
 
@@ -278,116 +258,245 @@ class Dispatcher:
         if req.namespace not in self._roots:
             self._roots[req.namespace] = root_hash(fingerprint, req.namespace)
         return hash_full_blocks(self._roots[req.namespace], req.prompt_token_ids,
-                                self.block_size)
+                                self.workers.block_size)
+
+    # -- failures -------------------------------------------------------------------------------
+    def fail_attempt(self, flight: Flight, kind: FailureKind, error: SplitserveError) -> None:
+        """The current attempt failed: another one, resuming from the tokens merged so far,
+        when the retry policy allows and a worker takes it; else the client gets `error`."""
+        if flight.is_over:
+            return
+        self.metrics.failures.labels(kind.value).inc()
+        if self.retry.should_retry(flight, kind, time.monotonic()) and self._retry(flight, kind):
+            return
+        flight.state = FlightState.FAILED
+        flight.queue.put_nowait(error)
+
+    def _retry(self, flight: Flight, kind: FailureKind) -> bool:
+        old = flight.attempt_id
+        self._release(flight)
+        self.attempts.pop(old, None)
+        aid = flight.next_attempt(time.monotonic(), self.deadlines)
+        self.attempts[aid] = flight
+        assert flight.route_req is not None
+        flight.route_req = replace(flight.route_req, request_id=aid)
+        self.metrics.retries.labels(kind.value).inc()
+        if flight.resumed:
+            self.metrics.migrations.inc()
+        decision = self._claim(flight) or self._any_decode_worker(flight)
+        if decision is None:
+            if not self.retry.wait_for_restarts:
+                return False
+            logger.warning("request %s: attempt %s failed (%s); no decode worker is up, "
+                           "waiting for one", flight.request.request_id, old, kind.value)
+            self.stranded.append(flight)
+            return True
+        logger.warning("request %s: attempt %s failed (%s); retrying as %s on %s%s, resuming "
+                       "after %d tokens", flight.request.request_id, old, kind.value, aid,
+                       decision.decode_worker, f" via {decision.prefill_worker}"
+                       if decision.prefill_worker else "", len(flight.resumed))
+        self._dispatch(flight, decision)
+        return True
+
+    def _place_stranded(self) -> None:
+        """A worker registered: retries waiting for one go on."""
+        stranded, self.stranded = self.stranded, []
+        for flight in stranded:
+            if flight.is_over or self.attempts.get(flight.attempt_id) is not flight:
+                continue
+            decision = self._claim(flight) or self._any_decode_worker(flight)
+            if decision is None:
+                self.stranded.append(flight)
+            else:
+                self._dispatch(flight, decision)
+
+    def _any_decode_worker(self, flight: Flight) -> RouteDecision | None:
+        """A retry does not queue behind new arrivals: when the router finds no placement
+        within budget, the least busy decode-capable worker prefills and decodes."""
+        workers = self.workers.decoders()
+        if not workers:
+            return None
+        worker = min(workers, key=lambda w: len(w.request_ids))
+        decision = RouteDecision(worker.worker_id, None, RouteReason.FORCED_LOCAL, 0.0, 0)
+        assert flight.route_req is not None
+        self.router.on_dispatched(decision, flight.route_req)
+        flight.decision = decision
+        return decision
+
+    def mark_dead(self, identity: bytes, why: str) -> None:
+        """Takes a worker out of routing and fails the attempts that still need it: each
+        is retried elsewhere (resuming its stream) or fails with WorkerFailed."""
+        worker = self.table.get(identity)
+        if worker is not None and worker.healthy:
+            self._orphan(self.workers.leave(identity, why), f"worker {worker.worker_id} {why}")
+
+    def _orphan(self, worker: WorkerInfo | None, why: str) -> None:
+        if worker is None:
+            return
+        for aid in list(worker.request_ids):
+            flight = self.attempts.get(aid)
+            if flight is not None and flight.needs(worker.identity):
+                self.fail_attempt(flight, FailureKind.WORKER_DEAD, WorkerFailed(why))
+
+    async def _reaper(self) -> None:
+        """Every 50 ms: requests past a deadline (queue: fail; a stalled stage: retry;
+        the request deadline: fail) and workers past their heartbeat deadline."""
+        while True:
+            await asyncio.sleep(REAPER_PERIOD_S)
+            now = time.monotonic()
+            for flight in list(self.flights.values()):
+                overdue = flight.overdue(now, self.deadlines.queue_timeout_s)
+                if overdue is None:
+                    continue
+                kind, error = overdue
+                if flight.state is FlightState.QUEUED:
+                    assert flight.admitted is not None
+                    self.metrics.failures.labels(kind.value).inc()
+                    flight.admitted.set_exception(error)
+                else:
+                    self.fail_attempt(flight, kind, error)
+            for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
+                self.mark_dead(worker.identity, "missed its heartbeat deadline")
 
     # -- messages from workers ------------------------------------------------------------------
     def _on_message(self, identity: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.WorkerReady):
             self._on_ready(identity, msg)
             return
-        worker = self.table.get(identity)
+        worker = self.workers.heard_from(identity)
         if worker is None:
-            self.recovery.fence(identity)
             return
-        worker.last_seen = time.monotonic()
         if isinstance(msg, P.Output):
             self._on_output(worker, msg)
         elif isinstance(msg, P.KVPlanReady):
             self._on_kv_plan(worker, msg)
+        elif isinstance(msg, P.PrefillDone):
+            self._on_prefill_done(worker, msg)
         elif isinstance(msg, P.RequestFailed):
             self._on_failed(worker, msg)
         elif isinstance(msg, P.LoadReport):
-            self._on_load(worker, msg)
+            self.workers.observe_load(worker, msg)
+            self._admit_queued()
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
                 self.link.send(identity, P.ResyncKV())
         elif isinstance(msg, P.KVSnapshot):
             self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
         elif isinstance(msg, P.TransferReport):
-            self.metrics.observe_transfer(msg.telemetry, msg.error)
-            if (msg.error is not None and msg.telemetry.get("side") == "receiver"
-                    and self.kv_failure_policy == "recompute"):
+            t = msg.telemetry
+            self.metrics.observe_transfer(t)
+            if (t.error is not None and t.side is TransferSide.RECEIVER
+                    and self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE):
                 self.metrics.reprefills.inc()
         elif isinstance(msg, P.PoolReport):
             self.admin.on_pool_report(identity, msg)
         else:
-            raise ProtocolError(f"workers do not send {type(msg).__name__}")
+            logger.warning("refused %s from %s: workers do not send it", type(msg).__name__,
+                           worker.worker_id)
 
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
-        old = self.table.by_id.get(msg.worker_id)
-        orphans: list[str] = []
-        if old is not None and old.identity != identity:
-            # A restarted worker: its previous incarnation is gone, with its cache; its
-            # requests resume once the new one is registered (they may go to it).
-            orphans = self.recovery.remove_worker(old.identity, "was replaced")
-        self.table.register(identity, msg)
-        self.block_size = msg.block_size
-        self.max_model_len = (msg.max_model_len if not self.max_model_len
-                              else min(self.max_model_len, msg.max_model_len))
-        router_add_worker(self.router, msg)
-        self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
-        self.metrics.count_workers([(w.role, w.healthy) for w in self.table.workers.values()])
-        logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
-                    msg.num_blocks)
+        # A restarted worker: its previous incarnation is gone, with its cache; its
+        # requests resume once the new one is registered (they may go to it).
+        replaced = self.workers.join(identity, msg)
         self._registered.set()
-        self.recovery.recover_all(orphans, f"worker {msg.worker_id} was replaced by a new "
-                                           "incarnation")
-        self.recovery.place_stranded()
+        self._orphan(replaced, f"worker {msg.worker_id} was replaced by a new incarnation")
+        self._place_stranded()
         self._admit_queued()
 
-    def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
-        flight = self.attempts.get(msg.request_id)
+    def _current(self, worker: WorkerInfo, request_id: str) -> Flight | None:
+        """The live flight whose current attempt is `request_id` on this worker; None for
+        a late message of an attempt that was retried, aborted or finished."""
+        flight = self.attempts.get(request_id)
         if flight is None or flight.is_over or worker.identity not in flight.workers:
-            return  # a late output of an attempt that was retried, aborted or finished
+            return None
+        return flight
+
+    def _on_kv_plan(self, worker: WorkerInfo, msg: P.KVPlanReady) -> None:
+        flight = self._current(worker, msg.request_id)
+        if flight is None or flight.prefill_worker is None:
+            return
+        prefill = self.table.get(flight.prefill_worker)
+        if prefill is None or not prefill.healthy:
+            self.fail_attempt(flight, FailureKind.WORKER_DEAD,
+                              WorkerFailed("the prefill worker left before the KV plan"))
+            return
+        self.link.send(prefill.identity, P.KVPlan(msg.request_id, msg.plan))
+
+    def _on_prefill_done(self, worker: WorkerInfo, msg: P.PrefillDone) -> None:
+        flight = self._current(worker, msg.request_id)
+        if flight is None:
+            return
+        flight.done_workers.add(worker.identity)
+        if msg.handed_off and flight.first_token_at is not None:
+            self.metrics.queue_time.labels("kv").observe(time.monotonic()
+                                                         - flight.first_token_at)
+
+    def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
+        flight = self._current(worker, msg.request_id)
+        if flight is None:
+            return
         if msg.finished:
             flight.done_workers.add(worker.identity)
-        if (flight.prefill_worker is not None and worker.identity != flight.prefill_worker
-                and not flight.decode_output_seen):
-            flight.decode_output_seen = True  # D committed the imported KV
-            if flight.first_token_at is not None:
-                self.metrics.queue_time.labels("kv").observe(time.monotonic()
-                                                             - flight.first_token_at)
-        if not flight.cache_checked:
-            self.recovery.check_routed_hit(flight, worker, msg.num_cached_tokens)
+        if flight.expected_hit is not None and worker.identity == self._prefiller(flight):
+            self._check_hit(flight, worker, msg.num_cached_tokens)
         try:
             delta = flight.merger.merge(msg)
         except ValueError as exc:  # a worker broke the positions contract: never guess
-            self.recovery.recover(flight, WorkerFailed(f"{worker.worker_id}: {exc}"), "bad_output",
-                          retryable=False)
+            self.fail_attempt(flight, FailureKind.BAD_OUTPUT,
+                              WorkerFailed(f"{worker.worker_id}: {exc}"))
             return
+        now = time.monotonic()
+        if delta is not None and delta.token_ids:
+            self.metrics.observe_tokens(flight, len(delta.token_ids), now)
+            if flight.first_token_at is None:
+                flight.first_token_at = now
+            flight.last_token_at = now
+            from_prefill = worker.identity == flight.prefill_worker
+            flight.advance(FlightState.HANDOFF if from_prefill else FlightState.DECODE, now,
+                           self.deadlines)
         if delta is not None:
-            self._on_delta(flight, delta)
+            if delta.finished:
+                flight.state = FlightState.FINISHED
             flight.queue.put_nowait(delta)
 
+    def _prefiller(self, flight: Flight) -> bytes | None:
+        if flight.prefill_worker is not None:
+            return flight.prefill_worker
+        decode = None if flight.decision is None else self.table.by_id.get(
+            flight.decision.decode_worker)
+        return None if decode is None else decode.identity
+
+    def _check_hit(self, flight: Flight, worker: WorkerInfo, num_cached: int) -> None:
+        """A routed prefix hit the worker no longer had: drop the index entries the router
+        relied on and ask the worker for a snapshot to reconcile (DESIGN 7)."""
+        stale = stale_hashes(flight, num_cached, self.workers.block_size)
+        flight.expected_hit = None
+        if stale:
+            self.metrics.stale_routes.inc()
+            self.router.invalidate(worker.worker_id, stale)
+            self.link.send(worker.identity, P.ResyncKV())
+
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
-        self.metrics.failures.labels(msg.kind).inc()
-        flight = self.attempts.get(msg.request_id)
-        if flight is None or worker.identity not in flight.workers:
+        flight = self._current(worker, msg.request_id)
+        if flight is None:
+            self.metrics.failures.labels(msg.kind.value).inc()
             return
         flight.done_workers.add(worker.identity)
-        if msg.kind == "InvalidRequestError":
-            self.recovery.recover(flight, InvalidRequestError(msg.message, field=msg.field), "invalid",
-                          retryable=False)
-            return
-        transfer = is_transfer_failure(msg.kind)
-        policy = f" (--kv-failure-policy {self.kv_failure_policy})" if transfer else ""
-        self.recovery.recover(flight, WorkerFailed(f"{worker.worker_id}: {msg.kind}: {msg.message}"
-                                           f"{policy}"),
-                      "kv_transfer" if transfer else "worker_error",
-                      retryable=not transfer or self.kv_failure_policy == "retry")
-
-    def _on_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
-        router_observe_load(self.router, worker.worker_id, worker.ready.max_num_seqs, msg)
-        self.metrics.observe_load(worker.worker_id, msg)
-        self.metrics.index_blocks.set(self.router.num_indexed_blocks)
-        self._admit_queued()
+        error: SplitserveError
+        if msg.kind is FailureKind.INVALID_REQUEST:
+            error = InvalidRequestError(msg.message, field=msg.field)
+        else:
+            policy = (f" (--kv-failure-policy {self.retry.kv_failure_policy.value})"
+                      if msg.kind is FailureKind.KV_TRANSFER else "")
+            error = WorkerFailed(f"{worker.worker_id}: {msg.kind.value}: {msg.message}{policy}")
+        self.fail_attempt(flight, msg.kind, error)
 
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:
-        return bool(self.table.healthy(("decode", "both")))
+        return bool(self.workers.decoders())
 
     def health(self) -> dict[str, object]:
-        return {"workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy,
+        return {"workers": [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
                              "incarnation": w.identity.decode(errors="replace"),
                              "pid": w.ready.pid, "requests": len(w.request_ids)}
                             for w in self.table.workers.values()],
@@ -395,4 +504,3 @@ class Dispatcher:
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
-

@@ -1,22 +1,43 @@
-"""One request in the cluster, as the dispatcher tracks it: stage, deadlines, the
-workers holding state for it, its merged stream and its timestamps."""
+"""One request in the cluster, as the dispatcher tracks it: its state, deadlines, the
+workers holding state for it, its merged stream and its timestamps.
+
+    QUEUED --admitted--> PREFILL --token 1 from P--> HANDOFF --D streams--> DECODE
+                            \\---------token 1 from D (local prefill)------/     |
+                                                                    FINISHED | FAILED
+
+A retry (frontend/recovery.py) goes back to PREFILL under a new attempt id.
+"""
 from __future__ import annotations
 
 import asyncio
 import math
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 
-from splitserve.cluster import protocol as P
-from splitserve.cluster.router.placement import RouteDecision, RouteRequest
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta, StreamMerger
+from splitserve.cluster.protocol import FailureKind
+from splitserve.cluster.router.placement import RouteDecision, RouteRequest
+from splitserve.config import DeadlineConfig
 from splitserve.errors import RequestTimeout
 
 
-class Stage(IntEnum):
+class FlightState(IntEnum):
+    """Where a request is; the two ends sort last (`is_over`)."""
     QUEUED = 0  # waiting for admission
     PREFILL = 1  # dispatched, no token yet
-    DECODE = 2  # streaming
+    HANDOFF = 2  # token 1 came from the prefill worker; the decode worker has not gone on
+    DECODE = 3  # the decode worker streams
+    FINISHED = 4  # the stream ended
+    FAILED = 5  # an error was queued for the client
+
+
+class Outcome(str, Enum):
+    """How a request ended, as counted in `splitserve_requests_total{outcome}`."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"  # the client went away
+    TIMEOUT = "timeout"
+    ERROR = "error"
 
 
 @dataclass(slots=True)
@@ -31,22 +52,22 @@ class Flight:
     arrival: float
     deadline: float
     stage_deadline: float
-    stage: Stage = Stage.QUEUED
+    state: FlightState = FlightState.QUEUED
     queue: asyncio.Queue[StreamDelta | BaseException] = field(default_factory=asyncio.Queue)
     merger: StreamMerger = field(default_factory=StreamMerger)
     attempt: int = 0
     resumed: list[int] = field(default_factory=list)  # tokens the current attempt resumes
-    failed: bool = False  # an error was queued for the client
-    cache_checked: bool = False  # the routed prefix hit was compared with the real one
+    # Prompt tokens the router expected the prefilling worker to have cached; compared with
+    # the real hit on its first output, then None (cluster/frontend/recovery.py).
+    expected_hit: int | None = None
     route_req: RouteRequest | None = None
     admitted: asyncio.Future[RouteDecision] | None = None  # set when it leaves the queue
     decision: RouteDecision | None = None
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
-    done_workers: set[bytes] = field(default_factory=set)  # reported it finished
+    done_workers: set[bytes] = field(default_factory=set)  # hold nothing for it any more
     prefill_worker: bytes | None = None
     dispatched_at: float | None = None
     first_token_at: float | None = None
-    decode_output_seen: bool = False  # remote prefill: the decode worker's first output came
     last_token_at: float | None = None
 
     @property
@@ -57,42 +78,57 @@ class Flight:
 
     @property
     def is_over(self) -> bool:
-        return self.failed or self.merger.finished
+        return self.state >= FlightState.FINISHED
 
     def needs(self, identity: bytes) -> bool:
-        """Whether the current attempt still depends on that worker: not once it said
-        it finished, nor a prefill worker once the decode worker committed its KV."""
+        """Whether the current attempt still depends on that worker: not once it holds
+        nothing for it, nor a prefill worker once the decode worker streams."""
         if identity in self.done_workers:
             return False
-        return not (identity == self.prefill_worker and self.decode_output_seen)
+        return not (identity == self.prefill_worker and self.state >= FlightState.DECODE)
 
-    def next_attempt(self) -> str:
+    def advance(self, state: FlightState, now: float, deadlines: DeadlineConfig) -> None:
+        """Moves to PREFILL, HANDOFF or DECODE and arms that stage's timeout."""
+        self.state = state
+        timeout = {FlightState.PREFILL: deadlines.prefill_timeout_s,
+                   FlightState.HANDOFF: deadlines.kv_timeout_s + deadlines.decode_step_timeout_s,
+                   FlightState.DECODE: deadlines.decode_step_timeout_s}[state]
+        self.stage_deadline = now + timeout
+
+    def next_attempt(self, now: float, deadlines: DeadlineConfig) -> str:
         """Forgets the current attempt's workers; returns the new attempt's id."""
         self.attempt += 1
         self.resumed = list(self.merger.token_ids)
         self.workers.clear()
         self.done_workers.clear()
         self.prefill_worker = self.decision = None
-        self.decode_output_seen = False
-        self.cache_checked = True  # resumed attempts' hits are not the router's prediction
+        self.expected_hit = None  # resumed attempts' hits are not the router's prediction
+        self.advance(FlightState.PREFILL, now, deadlines)  # until it streams a new token
         return self.attempt_id
 
-    def overdue(self, now: float, queue_timeout_s: float) -> RequestTimeout | None:
+    def overdue(self, now: float, queue_timeout_s: float
+                ) -> tuple[FailureKind, RequestTimeout] | None:
         """The timeout this request passed by `now`, reported once (then None): the queue
         timeout or request deadline while queued, else the request deadline or the
-        current stage's timeout (prefill: first token; decode: gap between tokens)."""
-        if self.stage is Stage.QUEUED:
+        current stage's timeout (prefill: first token; handoff: the decode worker going
+        on; decode: gap between tokens)."""
+        if self.is_over:
+            return None
+        if self.state is FlightState.QUEUED:
             if now < self.stage_deadline or self.admitted is None or self.admitted.done():
                 return None
             message = (f"no worker had room for {now - self.arrival:.1f} s (queue timeout "
                        f"{queue_timeout_s:g} s or the request deadline)")
-            return RequestTimeout(message, stage="queue")
+            return FailureKind.TIMEOUT_QUEUE, RequestTimeout(message, stage="queue")
         if now >= self.deadline:
-            stage, what = "request", "the request deadline"
-        elif now >= self.stage_deadline:
-            stage, what = self.stage.name.lower(), "a stage timeout"
-        else:
+            self.stage_deadline = self.deadline = math.inf
+            return FailureKind.TIMEOUT_REQUEST, RequestTimeout(
+                f"request {self.request.request_id} passed the request deadline in stage "
+                f"{self.state.name.lower()}", stage="request")
+        if now < self.stage_deadline:
             return None
-        self.stage_deadline = self.deadline = math.inf
-        return RequestTimeout(f"request {self.request.request_id} passed {what} in stage "
-                              f"{stage}", stage=stage)
+        self.stage_deadline = math.inf  # the retry re-arms it; the request deadline holds
+        stage = self.state.name.lower()
+        return FailureKind(f"timeout_{stage}"), RequestTimeout(
+            f"request {self.request.request_id} passed a stage timeout in stage {stage}",
+            stage=stage)

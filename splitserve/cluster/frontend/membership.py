@@ -24,8 +24,8 @@ def router_observe_load(router: Router, worker_id: str, max_num_seqs: int,
     router.update_load(worker_id, WorkerLoad(
         msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
         msg.kv_blocks_used, msg.kv_blocks_total, max_num_seqs))
-    for num_prefill, num_decode, seconds in msg.steps:
-        if num_prefill and not num_decode:
-            router.observe_prefill(worker_id, int(num_prefill), seconds)
-        elif num_decode and not num_prefill:
-            router.observe_decode_step(worker_id, int(num_decode), seconds)
+    for step in msg.steps:
+        if step.num_prefill_tokens and not step.num_decode_seqs:
+            router.observe_prefill(worker_id, step.num_prefill_tokens, step.seconds)
+        elif step.num_decode_seqs and not step.num_prefill_tokens:
+            router.observe_decode_step(worker_id, step.num_decode_seqs, step.seconds)

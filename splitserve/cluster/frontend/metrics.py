@@ -13,7 +13,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 from splitserve.cluster.frontend.flight import Flight
-from splitserve.cluster.protocol import LoadReport
+from splitserve.cluster.protocol import LoadReport, StepTiming
+from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
             2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -156,22 +157,22 @@ class Metrics:
         for role, healthy in workers:
             self.workers.labels(role, "healthy" if healthy else "unhealthy").inc()
 
-    def observe_steps(self, worker: str, steps: list[list[float]]) -> None:
-        for num_prefill, num_decode, _ in steps:
-            if num_prefill:
-                self.prefill_batch.labels(worker).observe(num_prefill)
-            if num_decode:
-                self.decode_batch.labels(worker).observe(num_decode)
+    def observe_steps(self, worker: str, steps: list[StepTiming]) -> None:
+        for step in steps:
+            if step.num_prefill_tokens:
+                self.prefill_batch.labels(worker).observe(step.num_prefill_tokens)
+            if step.num_decode_seqs:
+                self.decode_batch.labels(worker).observe(step.num_decode_seqs)
 
-    def observe_transfer(self, record: dict[str, Any], error: str | None) -> None:
-        side = str(record.get("side", "?"))
-        self.transfers.labels(side, "ok" if error is None else error).inc()
-        if side == "sender":
-            self.transfer_bytes.inc(float(record.get("wire_bytes", 0)))
-            for stage in ("pack_s", "queue_s", "wire_s", "validate_s", "place_s", "total_s",
-                          "exposed_s"):
-                self.transfer_time.labels(stage.removesuffix("_s")).observe(
-                    float(record.get(stage, 0.0)))
+    def observe_transfer(self, t: TransferTelemetry) -> None:
+        side = t.side.name.lower()
+        self.transfers.labels(side, "ok" if t.error is None else t.error).inc()
+        if t.side is TransferSide.SENDER:
+            self.transfer_bytes.inc(t.wire_bytes)
+            for stage, seconds in (("pack", t.pack_s), ("queue", t.queue_s), ("wire", t.wire_s),
+                                   ("validate", t.validate_s), ("place", t.place_s),
+                                   ("total", t.total_s), ("exposed", t.exposed_s)):
+                self.transfer_time.labels(stage).observe(seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

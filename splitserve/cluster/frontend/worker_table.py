@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from splitserve.cluster.protocol import WorkerReady
+from splitserve.cluster.protocol import Role, WorkerReady
 from splitserve.errors import ProtocolError
 
 
@@ -27,7 +27,7 @@ class WorkerInfo:
         return self.ready.worker_id
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.ready.role
 
 
@@ -68,8 +68,8 @@ class WorkerTable:
             del self.by_id[info.worker_id]
         return info
 
-    def healthy(self, roles: tuple[str, ...]) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.healthy and w.role in roles]
+    def healthy(self) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.healthy]
 
     def overdue(self, timeout_s: float, now: float) -> list[WorkerInfo]:
         """Healthy workers silent for longer than `timeout_s` (load reports are heartbeats)."""

@@ -6,12 +6,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ROLES = ("prefill", "decode", "both")
+from splitserve.cluster.protocol import Role
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    role: str  # "prefill" | "decode" | "both" (aggregated)
+    role: Role
     index: int
     epoch: int  # incarnation: a restarted worker gets a new one (fencing, DESIGN 7)
     frontend_address: str  # ZeroMQ address of the frontend's ROUTER socket
@@ -19,15 +19,14 @@ class WorkerSpec:
     cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     report_interval_s: float = 0.1  # load reports, which double as heartbeats
-    fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; cluster/faults.py)
+    fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; worker/faults.py)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        object.__setattr__(self, "role", Role(self.role))  # ValueError for an unknown one
 
     @property
     def worker_id(self) -> str:
-        return f"{self.role}-{self.index}"
+        return f"{self.role.value}-{self.index}"
 
     @property
     def identity(self) -> bytes:

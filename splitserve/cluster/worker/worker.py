@@ -22,8 +22,9 @@ from typing import Any
 import zmq
 
 from splitserve.cluster import protocol as P
-from splitserve.cluster.protocol import FaultSpec
+from splitserve.cluster.protocol import FailureKind, FaultSpec, Role
 from splitserve.cluster.worker.faults import FaultInjector
+from splitserve.cluster.worker.handoff import Handoffs
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -42,11 +43,12 @@ BUSY_WAIT_S = 0.002  # sleep while only transfers are in flight
 
 class _Stream:
     """Where a request's next output starts, as the frontend counts positions."""
-    __slots__ = ("num_chars", "logprobs_base", "first_token_only", "stops")
+    __slots__ = ("num_chars", "num_engine_chars", "logprobs_base", "first_token_only", "stops")
 
     def __init__(self, logprobs_base: int = 0, first_token_only: bool = False,
                  stops: list[str] | None = None) -> None:
-        self.num_chars = 0
+        self.num_chars = 0  # text sent to the frontend
+        self.num_engine_chars = 0  # text the engine released (its delta_text, summed)
         self.logprobs_base = logprobs_base  # output index of the engine's logprobs[0]
         self.first_token_only = first_token_only  # a prefill for another worker
         self.stops = stops or []
@@ -56,9 +58,10 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
-        self.sender = KVSender(self.engine) if spec.role in ("prefill", "both") else None
+        self.sender = KVSender(self.engine) if spec.role is not Role.DECODE else None
+        self.handoffs = Handoffs(self.engine, self.sender) if self.sender else None
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen())
-                         if spec.role in ("decode", "both") else None)
+                         if spec.role.can_decode else None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, spec.identity)
@@ -67,7 +70,7 @@ class Worker:
         self.streams: dict[str, _Stream] = {}
         self.reserving: dict[str, tuple[P.Generate, float]] = {}  # awaiting block room
         self.event_seq = 0
-        self.steps: list[list[float]] = []
+        self.steps: list[P.StepTiming] = []
         self.num_prompt_tokens = self.num_hit_tokens = 0
         self.next_report = 0.0
         self.stopping = False
@@ -92,7 +95,8 @@ class Worker:
             outputs = engine.step() if engine.has_unfinished else []
             if outputs and engine.last_step is not None:
                 s = engine.last_step
-                self.steps.append([s.num_prefill_tokens, s.num_decode_seqs, s.seconds])
+                self.steps.append(P.StepTiming(s.num_prefill_tokens, s.num_decode_seqs,
+                                               s.seconds))
             self._move_kv(outputs)
             for out in outputs:
                 self._send_output(out)
@@ -107,7 +111,7 @@ class Worker:
     def _wait_s(self) -> float:
         if self.engine.has_unfinished:
             return 0.0
-        busy = self.reserving or (self.sender and self.sender.num_active) or (
+        busy = self.reserving or self.handoffs or (self.sender and self.sender.num_active) or (
             self.receiver and self.receiver.num_active)
         return BUSY_WAIT_S if busy else IDLE_WAIT_S
 
@@ -129,6 +133,8 @@ class Worker:
             self._generate(msg)
         elif isinstance(msg, P.Prefill):
             self._prefill(msg)
+        elif isinstance(msg, P.KVPlan):
+            self._kv_plan(msg)
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, P.ResyncKV):
@@ -138,7 +144,7 @@ class Worker:
         elif isinstance(msg, P.Shutdown):
             self.stopping = True
         elif isinstance(msg, P.InjectFault):
-            self.faults.arm(FaultSpec.from_dict(msg.spec))
+            self.faults.arm(msg.spec)
             logger.warning("fault armed: %s", msg.spec)
         elif isinstance(msg, P.CheckPool):
             self._check_pool()
@@ -168,8 +174,8 @@ class Worker:
             self.engine.evict_cached_blocks(self.engine.cached_block_hashes())
             self.engine.take_kv_events()  # lost: the frontend's index is now stale
         elif fault.kind == "error" and rid is not None:
-            self._fail(rid, "InjectedFault", f"fault injection: {self.spec.worker_id} failed "
-                       "the request")
+            self._fail(rid, FailureKind.WORKER_ERROR, f"fault injection: {self.spec.worker_id} "
+                       "failed the request")
             return True
         elif fault.kind.endswith("_kv") and rid is not None and self.sender is not None:
             self.sender.wire_faults[rid] = (fault.kind.removesuffix("_kv"), fault.seconds)
@@ -191,27 +197,32 @@ class Worker:
 
     def _prefill(self, msg: P.Prefill) -> None:
         rid, params, resumed = msg.request_id, msg.params, msg.resume_token_ids
-        # One token more than the resumed ones: the decode worker samples the rest.
-        n = len(resumed) + 1
-        first = replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n))
-        if self.sender is None:
-            self._fail(rid, "ProtocolError", f"{self.spec.worker_id} cannot send KV")
+        if self.handoffs is None:
+            self._fail(rid, FailureKind.INVALID_REQUEST, f"{self.spec.worker_id} cannot send KV")
             return
         if self._inject(self.faults.fire("prefill"), rid):
             return
-        if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=True,
+        # One token more than the resumed ones: the decode worker samples the rest.
+        n = len(resumed) + 1
+        first = replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n))
+        hand_off = params.max_tokens != n  # else the request ends here: nothing to send
+        if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=hand_off,
                          resume_token_ids=resumed):
             return
-        self.streams[rid] = _Stream(logprobs_base=len(resumed),
-                                    first_token_only=params.max_tokens != n, stops=params.stop)
-        self._inject(self.faults.fire("transfer"), rid)
+        self.streams[rid] = _Stream(logprobs_base=len(resumed), first_token_only=hand_off,
+                                    stops=params.stop)
+        if hand_off:
+            self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
+            self._inject(self.faults.fire("transfer"), rid)
+
+    def _kv_plan(self, msg: P.KVPlan) -> None:
+        assert self.handoffs is not None
+        rid = msg.request_id
         try:
-            self.sender.start(rid, TransferPlan.from_dict(msg.plan), namespace=msg.namespace)
-        except (SplitserveError, ValueError, KeyError, TypeError) as exc:
-            self.engine.abort(rid)
-            self.engine.release_kv(rid)
-            self.streams.pop(rid, None)
-            self._fail(rid, type(exc).__name__, str(exc))
+            self.handoffs.on_plan(rid, msg.plan)
+        except (SplitserveError, ValueError) as exc:
+            self._abort(rid)
+            self._fail(rid, FailureKind.of(exc), str(exc))
 
     def _add(self, rid: str, prompt: list[int], params: object, namespace: str | None,
              **kwargs: Any) -> bool:
@@ -219,7 +230,7 @@ class Worker:
             req = self.engine.add_request(rid, prompt, params, namespace=namespace,  # type: ignore[arg-type]
                                           **kwargs)
         except InvalidRequestError as exc:
-            self._fail(rid, type(exc).__name__, str(exc), exc.field)
+            self._fail(rid, FailureKind.INVALID_REQUEST, str(exc), exc.field)
             return False
         self.num_prompt_tokens += req.num_prompt_tokens
         return True
@@ -233,16 +244,18 @@ class Worker:
                                         recompute_on_failure=msg.recompute_on_failure)
             if plan is not None:
                 del self.reserving[rid]
-                self._send(P.KVPlanReady(rid, plan.to_dict()))
+                self._send(P.KVPlanReady(rid, plan))
             elif now >= deadline:
                 del self.reserving[rid]
                 self.engine.fail_kv(rid, recompute=msg.recompute_on_failure)
                 if not msg.recompute_on_failure:
-                    self._drop(rid, "TransferTimeout",
+                    self._drop(rid, FailureKind.KV_TRANSFER,
                                f"no KV blocks free for {msg.kv_timeout_s:g} s")
 
     def _abort(self, rid: str) -> None:
         self.reserving.pop(rid, None)
+        if self.handoffs is not None:
+            self.handoffs.drop(rid)
         if self.receiver is not None:
             self.receiver.cancel(rid)
         if self.sender is not None:
@@ -251,46 +264,64 @@ class Worker:
         self.engine.release_kv(rid)
         self.streams.pop(rid, None)
 
-    def _drop(self, rid: str, kind: str, message: str) -> None:
+    def _drop(self, rid: str, kind: FailureKind, message: str) -> None:
         self.streams.pop(rid, None)
         self._fail(rid, kind, message)
 
-    def _fail(self, rid: str, kind: str, message: str, field: str | None = None) -> None:
+    def _fail(self, rid: str, kind: FailureKind, message: str,
+              field: str | None = None) -> None:
         self._send(P.RequestFailed(rid, kind, message, field))
 
     # -- KV movement ----------------------------------------------------------------------------
     def _move_kv(self, outputs: list[RequestOutput]) -> None:
         if self.reserving:
             self._reserve()
-        if self.sender is not None:
+        if self.sender is not None and self.handoffs is not None:
             for handle in self.sender.poll(outputs):
                 self._report_transfer(handle)
+                self._send(P.PrefillDone(handle.request_id, self.handoffs.finished(handle)))
+            for rid in self.handoffs.expire(time.monotonic()):
+                self.streams.pop(rid, None)
+                self._send(P.PrefillDone(rid, handed_off=False))
         if self.receiver is not None:
             for handle in self.receiver.poll():
                 self._report_transfer(handle)
                 status = handle.poll()
                 if status.state is TransferState.DONE and handle.output is not None:
-                    self._send_output(handle.output)
+                    # Token 1 reached the client from the prefill worker: streaming goes
+                    # on from token 2 (with any of token 1's text it held back).
+                    self._send_output(handle.output, send=handle.output.finished)
                 elif status.state is TransferState.FAILED and self.engine.scheduler.requests.get(
                         handle.request_id) is None:  # not recomputing locally
-                    self._drop(handle.request_id, type(status.error).__name__, str(status.error))
+                    self._drop(handle.request_id, FailureKind.KV_TRANSFER, str(status.error))
 
     def _report_transfer(self, handle: TransferHandle) -> None:
-        status = handle.poll()
-        self._send(P.TransferReport(handle.request_id, handle.telemetry.as_record(),
-                                    None if status.error is None else type(status.error).__name__))
+        self._send(P.TransferReport(handle.telemetry))
 
     # -- outputs --------------------------------------------------------------------------------
-    def _send_output(self, out: RequestOutput) -> None:
+    def _send_output(self, out: RequestOutput, send: bool = True) -> None:
+        """Streams an engine output to the frontend (`send=False`: only counts it)."""
         stream = self.streams.get(out.request_id)
         if stream is None:
             return
-        finished, reason, text = out.finished, out.finish_reason, out.delta_text
+        stream.num_engine_chars += len(out.delta_text)
+        if not send:
+            return
+        finished, reason = out.finished, out.finish_reason
+        text = out.text[stream.num_chars:stream.num_engine_chars]
         if stream.first_token_only and reason == "length":
-            # Our max_tokens=1 ended it, not the request's: the decode worker goes on, so
-            # stream only the text that is stable whatever token comes next.
+            # Our max_tokens ended it, not the request's: the decode worker goes on, so
+            # stream only the text that is stable whatever token comes next; the KV is
+            # held for it.
             finished, reason = False, None
             text = out.text[stream.num_chars:stable_text_len(out.text, stream.stops, False)]
+            assert self.handoffs is not None
+            self.handoffs.on_prefilled(out.request_id, out.token_ids[-1])
+        elif stream.first_token_only and out.finished:
+            # It ended at its first token (a stop): nothing to hand off.
+            assert self.handoffs is not None
+            if self.handoffs.end_early(out.request_id):
+                self.engine.release_kv(out.request_id)
         num_new = len(out.delta_token_ids)
         token_offset = len(out.token_ids) - num_new
         logprobs, lp_offset = None, token_offset

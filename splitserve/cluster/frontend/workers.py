@@ -1,0 +1,90 @@
+"""Who is in the cluster: workers join (WorkerReady), report load, and leave (death,
+silence, replacement by a new incarnation). Keeps the worker table, the router's view
+of membership and the worker metrics in step; knows nothing of requests (the dispatcher
+asks which of a leaving worker's requests still need it).
+
+A message from an identity that was removed or replaced is refused and its sender told
+to exit, once (fencing, DESIGN 7): a worker that went silent and woke up cannot act next
+to the incarnation that replaced it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.frontend.link import WorkerLink
+from splitserve.cluster.frontend.membership import router_add_worker, router_observe_load
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
+from splitserve.cluster.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+class Workers:
+    def __init__(self, router: Router, link: WorkerLink, metrics: Metrics) -> None:
+        self.router, self.link, self.metrics = router, link, metrics
+        self.table = WorkerTable()
+        self.max_model_len = 0  # the smallest any worker serves
+        self.block_size = 16
+        self._fenced: set[bytes] = set()  # removed incarnations already told to exit
+
+    def join(self, identity: bytes, msg: P.WorkerReady) -> WorkerInfo | None:
+        """Registers a worker; the incarnation it replaces, already removed, if any."""
+        old = self.table.by_id.get(msg.worker_id)
+        replaced = None
+        if old is not None and old.identity != identity:
+            replaced = self.leave(old.identity, "was replaced")
+        self.table.register(identity, msg)
+        self.block_size = msg.block_size
+        self.max_model_len = (msg.max_model_len if not self.max_model_len
+                              else min(self.max_model_len, msg.max_model_len))
+        router_add_worker(self.router, msg)
+        self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
+        self._count()
+        logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
+                    msg.num_blocks)
+        return replaced
+
+    def leave(self, identity: bytes, why: str) -> WorkerInfo | None:
+        """Forgets a worker (removed from routing); None if it was not registered."""
+        worker = self.table.remove(identity)
+        if worker is None:
+            return None
+        logger.error("worker %s %s; removing it", worker.worker_id, why)
+        worker.healthy = False
+        self.router.remove_worker(worker.worker_id)
+        self._count()
+        return worker
+
+    def heard_from(self, identity: bytes) -> WorkerInfo | None:
+        """The registered worker behind a message, or None (then the message is refused
+        and a removed incarnation is fenced)."""
+        worker = self.table.get(identity)
+        if worker is None:
+            self.fence(identity)
+            return None
+        worker.last_seen = time.monotonic()
+        return worker
+
+    def fence(self, identity: bytes) -> None:
+        self.metrics.fenced_messages.inc()
+        if identity not in self._fenced and identity in self.table.seen:
+            self._fenced.add(identity)
+            logger.warning("refusing messages from %r, a removed or replaced worker "
+                           "incarnation; telling it to exit", identity)
+            self.link.send(identity, P.Shutdown())
+
+    def observe_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
+        router_observe_load(self.router, worker.worker_id, worker.ready.max_num_seqs, msg)
+        self.metrics.observe_load(worker.worker_id, msg)
+        self.metrics.index_blocks.set(self.router.num_indexed_blocks)
+
+    def decoders(self) -> list[WorkerInfo]:
+        """Healthy workers that can decode (decode and aggregated roles)."""
+        return [w for w in self.table.healthy() if w.role.can_decode]
+
+    def _count(self) -> None:
+        self.metrics.count_workers([(w.role.value, w.healthy)
+                                    for w in self.table.workers.values()])
