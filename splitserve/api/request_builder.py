@@ -1,5 +1,6 @@
 """OpenAI request bodies -> the cluster's `GenerateRequest`: prompt token ids, sampling
-parameters and cache namespace, with every check that needs the model's limits.
+parameters, cache namespace and disaggregation override, with every check that needs the
+model's limits.
 
 Completions take one prompt (a string, token ids, or a one-element list of either); a batch
 of several prompts is rejected with 400 naming `prompt`: send one request per prompt.
@@ -15,6 +16,7 @@ from splitserve.api.errors import ModelNotFound
 from splitserve.api.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                     SamplingFields)
 from splitserve.cluster.frontend.stream import GenerateRequest
+from splitserve.cluster.router.config import DisaggPolicy
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError
 from splitserve.model.tokenizer import Tokenizer
@@ -53,7 +55,7 @@ def build_completion_request(body: CompletionRequest, request_id: str, tenant: s
     prompt_ids = _completion_prompt_ids(body.prompt, info.tokenizer)
     _check_length(len(prompt_ids), params.max_tokens, info.max_model_len, "prompt", "max_tokens")
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=tenant, tenant=tenant)
+                           namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
 
 
 def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str | None,
@@ -80,7 +82,7 @@ def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str
         _check_length(len(prompt_ids), params.max_tokens, info.max_model_len, "messages",
                       max_name)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=tenant, tenant=tenant)
+                           namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
 
 
 @contextmanager
@@ -93,6 +95,16 @@ def fields_renamed(names: dict[str, str]) -> Iterator[None]:
         if exc.field not in names:
             raise
         raise InvalidRequestError(str(exc), field=names[exc.field]) from exc
+
+
+def _disagg_policy(body: SamplingFields) -> DisaggPolicy | None:
+    """The request's override of the server's `--disagg-policy`; None: no override."""
+    if body.disagg is None:
+        return None
+    try:
+        return DisaggPolicy.from_name(body.disagg)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field="disagg") from exc
 
 
 def _check_common(body: SamplingFields) -> None:

@@ -41,6 +41,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     cache_salt: str | None = None
+    # splitserve extension: this request's `--disagg-policy` ("auto" | "always" | "never");
+    # None: the server's.
+    disagg: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -58,6 +58,7 @@ def test_malformed_json_is_400(http: httpx2.Client, client: openai.OpenAI) -> No
      "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": "yes please"}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "disagg": 1}, "disagg"),
 ])
 def test_wrong_types_are_400_naming_the_field(http: httpx2.Client, path: str,
                                               body: dict[str, Any], param: str) -> None:
@@ -117,6 +118,16 @@ def test_bad_chat_values_are_400(client: openai.OpenAI, fake: FakeBackend,
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**args)
     assert info.value.param == param
+    assert not fake.requests
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "Hi"}),
+                                        ("/v1/chat/completions", {"messages": CHAT})])
+def test_unknown_disagg_policy_is_400(http: httpx2.Client, fake: FakeBackend, path: str,
+                                      body: dict[str, Any]) -> None:
+    error = _error(http.post(path, json={**body, "disagg": "sometimes"}), 400, "disagg")
+    assert error["type"] == "BadRequestError"
+    assert "'sometimes'" in error["message"] and "['auto', 'always', 'never']" in error["message"]
     assert not fake.requests
 
 

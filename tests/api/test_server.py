@@ -7,6 +7,7 @@ import httpx2
 import openai
 
 from fake_backend import CREATED, MAX_MODEL_LEN, MODEL_NAMES, SCRIPT, FakeBackend, logprob_of
+from splitserve.cluster.router.config import DisaggPolicy
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
 
@@ -249,3 +250,15 @@ def test_tenant_header_then_cache_salt_then_user(client: openai.OpenAI,
     assert tenant_for({}, {"user": "bob"}) == "bob"
     assert tenant_for({}, {"user": "bob", "cache_salt": "salt"}) == "salt"
     assert tenant_for({"X-Tenant": "acme"}, {"user": "bob", "cache_salt": "salt"}) == "acme"
+
+
+def test_disagg_override_reaches_the_request(client: openai.OpenAI, fake: FakeBackend) -> None:
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1,
+                              extra_body={"disagg": "always"})
+    assert fake.last.disagg is DisaggPolicy.ALWAYS
+    client.chat.completions.create(model="smollm2", messages=CHAT,
+                                   extra_body={"disagg": "Never"})
+    assert fake.last.disagg is DisaggPolicy.NEVER
+    client.chat.completions.create(model="smollm2", messages=CHAT,
+                                   extra_body={"disagg": None})
+    assert fake.last.disagg is None  # the server's --disagg-policy

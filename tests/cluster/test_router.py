@@ -240,6 +240,26 @@ def test_forced_policies_and_per_request_override() -> None:
         RouterConfig(disagg="sometimes")
 
 
+def test_per_request_policy_overrides_the_configured_one_for_that_request() -> None:
+    router = pd(load())  # AUTO: a short prompt stays local
+    assert remote(router.route(request(32, disagg=DisaggPolicy.ALWAYS))) == (
+        "p0", "d0", RouteReason.FORCED_REMOTE, 0)
+    assert local(router.route(request(32))) == ("d0", RouteReason.LOCAL_FASTER, 0)
+    router = pd(load(running=8), disagg="always")  # a long prompt would go remote anyway
+    assert local(router.route(request(2048, disagg=DisaggPolicy.NEVER))) == (
+        "d0", RouteReason.FORCED_LOCAL, 0)
+    assert remote(router.route(request(2048)))[2] == RouteReason.FORCED_REMOTE
+    # The impossible is refused: with no prefill worker up, ALWAYS prefills locally...
+    router.remove_worker("p0")
+    assert local(router.route(request(32, disagg=DisaggPolicy.ALWAYS))) == (
+        "d0", RouteReason.AGGREGATED, 0)
+    # ...and with every prefill worker over budget it waits, as the configured ALWAYS does.
+    router = pd(load(), load(running=8, max_num_seqs=8))
+    assert router.route(request(32, disagg=DisaggPolicy.ALWAYS)) is None
+    assert local(router.route(request(32))) == ("d0", RouteReason.PREFILL_POOL_SATURATED, 0)
+    assert router.stats().reasons == {RouteReason.PREFILL_POOL_SATURATED: 1}
+
+
 def test_prefill_worker_chosen_by_its_prefix_hit_and_queue() -> None:
     router = make(("p0", Role.PREFILL, load()), ("p1", Role.PREFILL, load()),
                   ("d0", Role.DECODE, load(running=8)), ("d1", Role.BOTH, load(running=9)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.cluster.protocol import Output
+from splitserve.cluster.router.config import DisaggPolicy
 from splitserve.engine.batch import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -30,6 +31,9 @@ class GenerateRequest:
     tenant: str | None = None
     # Overall deadline in seconds from arrival; None: the server's default.
     timeout_s: float | None = None
+    # This request's disaggregation policy (the router still refuses the impossible, e.g.
+    # ALWAYS with no prefill worker up prefills locally); None: the server's.
+    disagg: DisaggPolicy | None = None
 
 
 @dataclass(slots=True)

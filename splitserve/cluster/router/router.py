@@ -42,6 +42,9 @@ prefill of the horizon stalls the same sequences, and those arriving meanwhile, 
 worker is no exception) is not allowed; with
 every prefill worker over budget it prefills locally. ALWAYS is remote or None, NEVER is
 local. Without prefill workers (all BOTH) it picks the cheapest worker (AGGREGATED).
+A request's own policy (`RouteRequest.disagg`, from the HTTP body) replaces the
+configured one for that request only, within the same limits: ALWAYS with no prefill
+worker up is AGGREGATED, and ALWAYS with every prefill worker over budget is None.
 
 Tenant cap: the index counts each tenant's distinct cached blocks (claimed when its
 requests are dispatched). Prefix credit is kept for a tenant over its cap (denying it
