@@ -257,7 +257,6 @@ def test_per_request_policy_overrides_the_configured_one_for_that_request() -> N
     router = pd(load(), load(running=8, max_num_seqs=8))
     assert router.route(request(32, disagg=DisaggPolicy.ALWAYS)) is None
     assert local(router.route(request(32))) == ("d0", RouteReason.PREFILL_POOL_SATURATED, 0)
-    assert router.stats().reasons == {RouteReason.PREFILL_POOL_SATURATED: 1}
 
 
 def test_prefill_worker_chosen_by_its_prefix_hit_and_queue() -> None:
@@ -372,8 +371,7 @@ def test_stats_count_decisions() -> None:
     router.update_load("d0", load(running=64))
     assert router.route(request(32)) is None
     stats = router.stats()
-    assert (stats.num_routed, stats.num_unplaced, stats.num_prompt_tokens) == (2, 1, 2080)
-    assert stats.reasons == {RouteReason.REMOTE_FASTER: 1, RouteReason.LOCAL_FASTER: 1}
+    assert (stats.num_routed, stats.num_unplaced, stats.num_indexed_blocks) == (2, 1, 0)
 
 
 def test_retry_after_uses_the_finish_rate() -> None:

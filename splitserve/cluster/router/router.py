@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -79,13 +79,10 @@ _IS_PREFILL = WorkerTerms._fields.index("is_prefill")
 
 @dataclass(slots=True)
 class RouterStats:
-    """Counters for metrics."""
+    """Counters (decisions by reason are the dispatcher's `splitserve_router_decisions`)."""
 
     num_routed: int = 0
     num_unplaced: int = 0  # route() returned None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    reasons: dict[RouteReason, int] = field(default_factory=dict)
     num_indexed_blocks: int = 0
     num_index_entries: int = 0
 
@@ -194,14 +191,10 @@ class Router:
         """Pick the decode worker and, if any, the prefill worker; None when no placement
         is within budget (the caller queues the request)."""
         decision = self._route(req)
-        stats = self._stats
         if decision is None:
-            stats.num_unplaced += 1
+            self._stats.num_unplaced += 1
         else:
-            stats.num_routed += 1
-            stats.num_prompt_tokens += req.num_prompt_tokens
-            stats.num_cached_tokens += decision.num_cached_tokens
-            stats.reasons[decision.reason] = stats.reasons.get(decision.reason, 0) + 1
+            self._stats.num_routed += 1
         return decision
 
     def _route(self, req: RouteRequest) -> RouteDecision | None:
@@ -326,7 +319,6 @@ class Router:
     def stats(self) -> RouterStats:
         """A copy of the counters, with the index sizes filled in."""
         s = self._stats
-        return RouterStats(s.num_routed, s.num_unplaced, s.num_prompt_tokens,
-                           s.num_cached_tokens, dict(s.reasons), self.index.num_blocks,
+        return RouterStats(s.num_routed, s.num_unplaced, self.index.num_blocks,
                            self.index.num_entries)
 
