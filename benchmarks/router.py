@@ -98,7 +98,7 @@ def make_requests(num: int, chains: Sequence[tuple[str, list[BlockHash]]],
             t0 = time.perf_counter()
             hashes = hash_full_blocks(root_hash(FP, tenant), tokens, BS)
             hash_times.append(time.perf_counter() - t0)
-        reqs.append(RouteRequest(f"r{i}", hashes[:num_blocks], num_tokens, 256, tenant))
+        reqs.append(RouteRequest(f"r{i}", hashes[:num_blocks], num_tokens, tenant))
     hash_times.sort()
     return reqs, hash_times[len(hash_times) // 2]
 

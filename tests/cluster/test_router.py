@@ -43,7 +43,7 @@ def request(num_tokens: int, namespace: str | None = None, rid: str = "r",
             tenant: str | None = None, disagg: DisaggPolicy | None = None,
             seed: int = 0) -> RouteRequest:
     hashes = hash_full_blocks(root_hash(FP, namespace), prompt(num_tokens, seed=seed), BS)
-    return RouteRequest(rid, hashes, num_tokens, 64, tenant, disagg)
+    return RouteRequest(rid, hashes, num_tokens, tenant, disagg)
 
 
 def cache(router: Router, worker_id: str, req: RouteRequest, num_blocks: int,

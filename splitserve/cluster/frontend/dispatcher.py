@@ -158,8 +158,7 @@ class Dispatcher:
         req = flight.request
         flight.route_req = RouteRequest(
             request_id=req.request_id, block_hashes=self._hashes(req),
-            num_prompt_tokens=len(req.prompt_token_ids), max_tokens=req.params.max_tokens,
-            tenant=req.tenant, disagg=req.disagg)
+            num_prompt_tokens=len(req.prompt_token_ids), tenant=req.tenant, disagg=req.disagg)
         # Strict FIFO: while others wait, a newcomer queues behind them.
         decision = None if len(self.admission) else self._claim(flight)
         if decision is None:

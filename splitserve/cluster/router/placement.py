@@ -19,7 +19,6 @@ class RouteRequest:
     # Hashes of the prompt's full blocks, chained under the request's namespace root.
     block_hashes: list[BlockHash]
     num_prompt_tokens: int
-    max_tokens: int | None = None  # not used in scoring yet: the KV check covers the prompt
     tenant: str | None = None
     disagg: DisaggPolicy | None = None  # None: the router's policy
 
