@@ -1,5 +1,6 @@
-"""End to end, real processes: conditional disaggregation, tenant isolation, admission
-control (429 + Retry-After) and deadlines (504), each through the openai client."""
+"""End to end, real processes: conditional disaggregation (and its per-request override),
+tenant isolation, admission control (429 + Retry-After) and deadlines (504), each through
+the openai client."""
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,12 @@ def name(server: Any) -> str:
     return str(client(server).models.list().data[0].id)
 
 
+def decisions(server: Any) -> dict[str, float]:
+    metrics = server.get_text("/metrics")
+    return {reason: float(value) for reason, value in re.findall(
+        r'^splitserve_router_decisions_total\{decision="(\w+)"\} (\S+)$', metrics, flags=re.M)}
+
+
 def test_conditional_disagg_output_matches_offline(auto: Any) -> None:
     llm = LLM(num_threads=2, max_model_len=2048)  # bf16, exact kernels; other thread count
     prompts = ["Say hello.", SHARED + " Now: what is 2 + 2?"]
@@ -49,10 +56,22 @@ def test_conditional_disagg_output_matches_offline(auto: Any) -> None:
     got = [c.completions.create(model=name(auto), prompt=p, temperature=0,
                                 max_tokens=16).choices[0].text for p in prompts]
     assert got == expected
-    metrics = auto.get_text("/metrics")
-    decisions = re.findall(r'^splitserve_router_decisions_total\{decision="(\w+)"\} (\S+)$',
-                           metrics, flags=re.M)
-    assert sum(float(v) for _, v in decisions) >= 2, decisions
+    assert sum(decisions(auto).values()) >= 2, decisions(auto)
+
+
+def test_per_request_disagg_override(auto: Any) -> None:
+    c = client(auto)
+    texts = {}
+    for policy, reason in (("always", "forced_remote"), ("never", "forced_local")):
+        before = decisions(auto).get(reason, 0.0)
+        texts[policy] = c.completions.create(
+            model=name(auto), prompt="Say hello.", temperature=0, max_tokens=8,
+            extra_body={"disagg": policy}).choices[0].text
+        assert decisions(auto)[reason] == before + 1
+    assert texts["always"] == texts["never"]  # disaggregated output = aggregated output
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=name(auto), prompt="Hi", extra_body={"disagg": "half"})
+    assert info.value.param == "disagg"
 
 
 def cached_tokens(server: Any, prompt: str, tenant: str) -> int:
