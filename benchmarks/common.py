@@ -167,6 +167,20 @@ class CpuMonitor:
         return max(0.0, others / wall)
 
 
+def process_cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time used so far by the live processes `pids` (and their reaped children): what
+    CpuMonitor counts as *other* for servers this script started and has not yet stopped."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue  # gone
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def other_cpu_load(seconds: float = 1.0) -> float:
     """Cores used by other processes while we sleep for `seconds`."""
     mon = CpuMonitor().start()

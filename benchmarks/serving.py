@@ -3,6 +3,8 @@ agg) against the offline engine on the same prompt, measured in one run.
 
     python benchmarks/serving.py          # ~4 min on 2 cores; writes docs/benchmarks.md
     python benchmarks/serving.py --quick  # 2 repetitions, no doc
+    python benchmarks/serving.py --decode-load [--baseline-rev REV] [--quick]
+                                          # TTFT while D decodes: benchmarks/serving_load.py
 
 One streaming completion at a time (the openai client, real HTTP, SSE), a 512-token prompt
 of random token ids (fresh per repetition, so no prefix-cache hits), 64 output tokens
@@ -90,13 +92,16 @@ class OfflineEngine:
 
 
 class Served:
-    """`splitserve serve` with `flags`; one streaming request per `run`."""
+    """`splitserve serve` with `flags`; one streaming request per `run`. `checkout` runs
+    the server from another source tree (a git worktree) with this venv."""
 
-    def __init__(self, flags: list[str]) -> None:
+    def __init__(self, flags: list[str], checkout: str = _ROOT) -> None:
         import openai
         sys.path.insert(0, os.path.join(_ROOT, "tests"))
         from conftest import ServerProcess  # the same launcher the e2e tests use
-        self.server = ServerProcess(*flags)
+        # `python -m` puts the cwd first on sys.path and the workers inherit both.
+        self.server = ServerProcess(*flags, ready_timeout_s=600, cwd=checkout,
+                                    env={**os.environ, "PYTHONPATH": checkout})
         self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none",
                                     max_retries=0, timeout=300)
         self.model = self.client.models.list().data[0].id
@@ -122,7 +127,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
+    ap.add_argument("--decode-load", action="store_true",
+                    help="TTFT of a 512-token prompt in disagg while D decodes 0, 1, 16 others")
+    ap.add_argument("--baseline-rev", metavar="REV",
+                    help="with --decode-load: also run the server of git revision REV")
     args = ap.parse_args()
+    if args.baseline_rev and not args.decode_load:
+        ap.error("--baseline-rev needs --decode-load")
+    if args.decode_load:
+        from benchmarks.serving_load import run_decode_load
+        return run_decode_load(args.baseline_rev, args.quick, args.reps, args.output)
     reps = 2 if args.quick else args.reps
     # Every setup is up at once (idle ones sleep) and the repetitions are interleaved
     # A, B, C, D, A, B, ...: drift of this shared machine hits all setups alike, and each

@@ -135,7 +135,9 @@ def make_llm(tiny_llama_dir: str, engine_defaults: dict[str, Any]) -> Iterator[A
 class ServerProcess:
     """`splitserve serve` as a real process on a free port; stopped with SIGTERM."""
 
-    def __init__(self, *flags: str, ready_timeout_s: float = 300.0) -> None:
+    def __init__(self, *flags: str, ready_timeout_s: float = 300.0, cwd: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`cwd` and `env` (default: this process's) let a benchmark run another checkout."""
         import socket
         import subprocess
         import sys
@@ -148,7 +150,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), *flags],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         self._wait_ready(ready_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
