@@ -14,10 +14,9 @@ import time
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.link import WorkerLink
-from splitserve.cluster.frontend.membership import router_add_worker, router_observe_load
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
-from splitserve.cluster.router.router import Router
+from splitserve.cluster.router.router import KVLayout, Router, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,11 @@ class Workers:
         self.block_size = msg.block_size
         self.max_model_len = (msg.max_model_len if not self.max_model_len
                               else min(self.max_model_len, msg.max_model_len))
-        router_add_worker(self.router, msg)
+        # The workers know the model's KV layout (block size; bytes per token from layers,
+        # heads, dtype): the router's block counts and transfer-time estimate use it.
+        self.router.set_kv_layout(KVLayout(msg.block_size, msg.kv_bytes_per_token))
+        self.router.add_worker(msg.worker_id, msg.role,
+                               WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
         self._count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
@@ -77,7 +80,17 @@ class Workers:
             self.link.send(identity, P.Shutdown())
 
     def observe_load(self, worker: WorkerInfo, msg: P.LoadReport) -> None:
-        router_observe_load(self.router, worker.worker_id, worker.ready.max_num_seqs, msg)
+        """A load report: the worker's queue and memory, and its pure prefill or pure
+        decode steps as samples for the router's cost models (mixed steps fit neither)."""
+        wid = worker.worker_id
+        self.router.update_load(wid, WorkerLoad(
+            msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
+            msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs))
+        for step in msg.steps:
+            if step.num_prefill_tokens and not step.num_decode_seqs:
+                self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)
+            elif step.num_decode_seqs and not step.num_prefill_tokens:
+                self.router.observe_decode_step(wid, step.num_decode_seqs, step.seconds)
         self.metrics.observe_load(worker.worker_id, msg)
         self.metrics.index_blocks.set(self.router.num_indexed_blocks)
 

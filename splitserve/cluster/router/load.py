@@ -11,19 +11,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.cost_model import CostModelConfig, DecodeStepModel, PrefillCostModel
 from splitserve.cluster.router.scoring import WorkerTerms
-
-
-class Role(IntEnum):
-    """What a worker does: PREFILL (ships KV away), DECODE (may also prefill locally),
-    BOTH (an aggregated worker; routed like DECODE)."""
-
-    PREFILL = 0
-    DECODE = 1
-    BOTH = 2
 
 
 @dataclass(slots=True)
