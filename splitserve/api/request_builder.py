@@ -17,7 +17,7 @@ from splitserve.api.schemas import (ChatCompletionRequest, ChatMessage, Completi
                                     SamplingFields)
 from splitserve.cluster.frontend.stream import GenerateRequest
 from splitserve.cluster.router.config import DisaggPolicy
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, check_length
 from splitserve.errors import InvalidRequestError
 from splitserve.model.tokenizer import Tokenizer
 
@@ -53,7 +53,7 @@ def build_completion_request(body: CompletionRequest, request_id: str, tenant: s
                                   field="best_of")
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     prompt_ids = _completion_prompt_ids(body.prompt, info.tokenizer)
-    _check_length(len(prompt_ids), params.max_tokens, info.max_model_len, "prompt", "max_tokens")
+    check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                            namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
 
@@ -79,8 +79,7 @@ def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str
                           "prompt": "messages"}):
         params = _sampling_params(body, max_tokens, logprobs)
         prompt_ids = _chat_prompt_ids(body, info.tokenizer)
-        _check_length(len(prompt_ids), params.max_tokens, info.max_model_len, "messages",
-                      max_name)
+        check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                            namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
 
@@ -128,21 +127,6 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None,
     }
     kwargs = {name: value for name, value in given.items() if value is not None}
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
-
-
-def _check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                  prompt_field: str, max_tokens_field: str) -> None:
-    if num_prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens; your request has "
-            f"{num_prompt_tokens} input tokens, which leaves no room for output. Shorten the "
-            f"{prompt_field}.", field=prompt_field)
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"'{max_tokens_field}' is too large: {max_tokens}. This model's maximum context "
-            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input "
-            f"tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}); lower it, or "
-            "omit it to generate up to the limit.", field=max_tokens_field)
 
 
 def _completion_prompt_ids(prompt: str | list[int] | list[str] | list[list[int]],

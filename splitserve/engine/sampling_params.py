@@ -74,3 +74,20 @@ class SamplingParams:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, field=field_name)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one prompt-length check (the HTTP edge and every engine run it): a prompt must
+    leave room for output within `max_model_len`, and an explicit `max_tokens` must fit
+    after it. InvalidRequestError names the field: `prompt` or `max_tokens`."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens; your request has "
+            f"{num_prompt_tokens} input tokens, which leaves no room for output. Shorten the "
+            "prompt (or raise --max-model-len / the KV cache size).", field="prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length "
+            f"is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}); lower it, or omit it to "
+            "generate up to the limit.", field="max_tokens")
