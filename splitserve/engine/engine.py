@@ -11,10 +11,12 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.batch import SampledToken, ScheduledBatch
+from splitserve.engine.kv_connector import (KVConnector, KVLayout, KVRange, KVRequestState,
+                                            LayerListener)
 from splitserve.engine.output import Detokenizer, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams, check_length
 from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
@@ -30,14 +32,6 @@ from splitserve.model.registry import build_model
 from splitserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-
-class KVRange(NamedTuple):
-    """A request's KV blocks covering tokens [start_token, end_token)."""
-    block_ids: list[int]
-    block_hashes: list[BlockHash]  # hashes of the full blocks in block_ids
-    start_token: int
-    end_token: int
 
 
 class StepStats(NamedTuple):
@@ -72,7 +66,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return dtypes[name]
 
 
-class LLMEngine:
+class LLMEngine(KVConnector):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
@@ -116,6 +110,8 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(
             self.spec, str(self.dtype).removeprefix("torch."), cache.block_size,
             weights_digest, kernels=EXACT_KERNELS if self.batch_invariant else "default")
+        self.kv_layout = KVLayout(self.fingerprint, cache.block_size, self.spec.num_layers,
+                                  self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size, self.device,
@@ -124,9 +120,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self._roots: dict[str | None, BlockHash] = {}
-        # Called after each layer of a step wrote its KV: (layer index, the step's batch).
-        # KV senders use it to stream layer i while layer i+1 computes.
-        self.layer_listener: Callable[[int, ScheduledBatch], None] | None = None
+        # KV senders use it to stream layer i while layer i+1 computes (kv_connector.py).
+        self.layer_listener: LayerListener | None = None
         self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
         self.num_computed_tokens_total = 0  # tokens run through the model (for tests/metrics)
         self.last_step: StepStats | None = None
@@ -154,7 +149,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         resumed = list(resume_token_ids or [])
         self._check_prompt(token_ids + resumed)
-        room = min(self.max_model_len, self.num_blocks * self.block_size) - len(token_ids)
+        room = self.context_limit - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         if len(resumed) >= max_tokens:
             raise InvalidRequestError(f"{len(resumed)} resumed tokens leave nothing to "
@@ -172,17 +167,17 @@ class LLMEngine:
         self.detokenizer.add(request_id, params.logprobs is not None)
         return req
 
+    @property
+    def context_limit(self) -> int:
+        """Prompt + output tokens one request can reach: max_model_len, or less when the
+        KV pool is smaller. Workers advertise it as their max_model_len."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
     def _check_prompt(self, token_ids: list[int]) -> None:
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
-        limit = min(self.max_model_len, self.num_blocks * self.block_size)
-        if n >= limit:
-            raise InvalidRequestError(
-                f"prompt has {n} tokens, leaving no room to generate within the limit of "
-                f"{limit} tokens (max_model_len={self.max_model_len}, KV pool "
-                f"{self.num_blocks * self.block_size} tokens); shorten the prompt or raise "
-                "--max-model-len / the KV cache size", field="prompt")
+        check_length(n, None, self.context_limit)
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
@@ -203,6 +198,11 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    def request_ids(self) -> list[str]:
+        """Every request that holds this engine's resources: live ones, then finished ones
+        whose KV is held for export (until `release_kv`)."""
+        return [*self.scheduler.requests, *self._held]
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -245,8 +245,15 @@ class LLMEngine:
             kv_blocks_total=pool.num_blocks, max_num_seqs=self.config.scheduler.max_num_seqs)
 
     # -- KV events: what the router's prefix index is built from --------------------------------
+    def enable_kv_events(self) -> None:
+        """Records prefix-cache events from now on for one consumer (a worker publishing
+        them), which must drain them with `take_kv_events`. Off by default: nobody drains
+        an offline engine's events, and they would pile up for as long as it runs."""
+        self.kv.pool.enable_events()
+
     def take_kv_events(self) -> list[KVEvent]:
-        """Prefix-cache events (stored / removed blocks) since the last call, oldest first."""
+        """Prefix-cache events (stored / removed blocks) since the last call, oldest first
+        (after a backlog overflow: AllBlocksCleared, then every cached block)."""
         return self.kv.pool.take_events()
 
     def evict_cached_blocks(self, block_hashes: list[BlockHash]) -> int:
@@ -257,10 +264,17 @@ class LLMEngine:
         """Every block hash in the prefix cache now (a snapshot for an index resync)."""
         return self.kv.pool.cached_hashes()
 
-    # -- KV connector: what workers use to move KV between engines ------------------------------
+    # -- KV connector (kv_connector.py: what a KV transfer may ask of the engine) ----------------
+    def request_state(self, request_id: str) -> KVRequestState | None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        n = req.num_prefill_tokens
+        return KVRequestState(req.status, req.hold_kv, req.cache_root, n,
+                              req.num_computed_tokens,
+                              tuple(req.block_hashes[:n // self.block_size]))
+
     def export_kv(self, request_id: str) -> KVRange:
-        """The prefill KV (prompt + resumed tokens) of a finished request held with
-        hold_kv=True."""
         req = self._held.get(request_id)
         if req is None:
             raise KVImportError(f"request {request_id!r} holds no exportable KV")
@@ -268,17 +282,11 @@ class LLMEngine:
         return KVRange(self.kv.block_table(request_id)[:_blocks(n, self.block_size)],
                        req.block_hashes[:n // self.block_size], 0, n)
 
-    def held_request_ids(self) -> list[str]:
-        return list(self._held)
-
     def release_kv(self, request_id: str) -> None:
-        """Frees a held request's blocks; idempotent."""
         if self._held.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
     def kv_import_target(self, request_id: str) -> KVRange | None:
-        """Blocks reserved for a WAITING_FOR_KV request's prompt, and the token range to fill
-        (a local prefix hit is not transferred again); None until blocks are reserved."""
         req = self.scheduler.awaiting_kv.get(request_id)
         if req is None:
             raise KVImportError(f"request {request_id!r} is not waiting for KV")
@@ -293,7 +301,7 @@ class LLMEngine:
                        req.num_prefill_tokens)
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """[2, len(block_ids), block_size, num_kv_heads, head_dim] copy of one layer's blocks."""
+        # [2, len(block_ids), block_size, num_kv_heads, head_dim]
         return self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)]
 
     def write_kv_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -301,7 +309,6 @@ class LLMEngine:
             self.kv_cache.device, self.kv_cache.dtype)
 
     def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
-        """The imported prompt KV is complete and verified: decode from the first token on."""
         req = self.scheduler.awaiting_kv.get(request_id)
         if req is None or not self.kv.block_table(request_id):
             raise KVImportError(f"request {request_id!r} has no reserved KV blocks to commit")
@@ -309,18 +316,8 @@ class LLMEngine:
         return self._outputs([req], {}, 0)[0]
 
     def fail_kv(self, request_id: str, recompute: bool) -> None:
-        """The import failed: release the reserved blocks, then prefill locally or abort."""
-        req = self.scheduler.awaiting_kv.pop(request_id, None)
-        if req is None:
-            return
-        self.kv.free(request_id)
-        req.num_computed_tokens = 0
-        if recompute:
-            req.status = RequestStatus.WAITING
-            self.scheduler.waiting.append(req)
-        else:
-            self.scheduler.requests.pop(request_id, None)
-            req.status = RequestStatus.FINISHED_ERROR
+        req = self.scheduler.fail_import(request_id, recompute)
+        if req is not None and req.is_finished:
             self.detokenizer.remove(request_id)
 
 

@@ -178,6 +178,23 @@ class Scheduler:
         self.running.append(req)
         self.append_token(req, first_token_id)
 
+    def fail_import(self, request_id: str, recompute: bool) -> Request | None:
+        """The request's import failed: its reserved blocks go back to the pool and it
+        waits to be prefilled here (`recompute`) or ends FINISHED_ERROR. None if it was
+        not waiting for KV."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            return None
+        self.kv.free(request_id)
+        req.num_computed_tokens = 0
+        if recompute:
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+        else:
+            req.status = RequestStatus.FINISHED_ERROR
+            del self.requests[request_id]
+        return req
+
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         for req in self.running:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_hash import HASH_SIZE, BlockHash
-from .events import BlockRemoved, BlockStored, KVEvent
+from .events import AllBlocksCleared, EventLog, KVEvent
 
 
 @dataclass(slots=True)
@@ -26,6 +26,9 @@ class KVBlock:
     ref_cnt: int = 0
     # Set while the block is registered in the prefix cache (the key mapping to it).
     block_hash: BlockHash | None = None
+    # The hash before block_hash in its chain (None: the first block); kept so that the
+    # cached set can be reported as chains, as events, to a consumer that lost track.
+    parent_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -41,7 +44,7 @@ class BlockPool:
         # Head = next to reuse. OrderedDict gives O(1) append, pop-head and remove-middle.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        self._pending: list[_PendingEvent] = []
+        self._events: EventLog | None = None  # None: no consumer, nothing is recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,9 +133,10 @@ class BlockPool:
             return
         if block_hash in self._cached:
             return
-        block.block_hash = block_hash
+        block.block_hash, block.parent_hash = block_hash, parent_hash
         self._cached[block_hash] = block_id
-        self._record_stored(block_hash, parent_hash)
+        if self._events is not None:
+            self._events.stored(block_hash, parent_hash)
 
     def evict_all_cached(self) -> int:
         """Drop the cached hash of every free block (reset the prefix cache); blocks in use
@@ -155,11 +159,28 @@ class BlockPool:
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
 
+    def enable_events(self, max_pending_hashes: int | None = None) -> None:
+        """Records KV events from now on, for one consumer that drains them with
+        `take_events`; its first take starts with the blocks cached before. Nothing is
+        recorded unless this was called, so a pool nobody drains does not grow a backlog.
+        At most `max_pending_hashes` wait; past that the consumer resyncs (see
+        take_events). The default, twice the pool, is more than an engine step records
+        (it evicts and stores each block at most once), so a per-step drain never
+        overflows in practice."""
+        limit = 2 * self.num_blocks if max_pending_hashes is None else max_pending_hashes
+        self._events = self._record_cached_set(EventLog(limit))
+
     def take_events(self) -> list[KVEvent]:
-        """Return and clear the events recorded since the last call, oldest first."""
-        events = [pending.freeze() for pending in self._pending]
-        self._pending = []
-        return events
+        """The events recorded since the last call, oldest first. After an overflow:
+        AllBlocksCleared, then the cached set as BlockStored chains, which replays to the
+        same view the dropped backlog would have."""
+        if self._events is None:
+            raise RuntimeError("KV events are not recorded on this pool; call "
+                               "enable_events() before taking them")
+        if not self._events.overflowed:
+            return self._events.take()
+        self._events.take()
+        return [AllBlocksCleared(), *self._record_cached_set(EventLog(self.num_blocks)).take()]
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
@@ -172,7 +193,9 @@ class BlockPool:
         for i, block in enumerate(self._blocks):
             assert block.block_id == i, f"block at index {i} has id {block.block_id}"
             assert block.ref_cnt >= 0, f"block {i} has ref_cnt {block.ref_cnt}"
-            if block.block_hash is not None:
+            if block.block_hash is None:
+                assert block.parent_hash is None, f"uncached block {i} has a parent hash"
+            else:
                 assert self._cached.get(block.block_hash) == i, (
                     f"block {i} has hash {block.block_hash.hex()} but the cache maps it to "
                     f"{self._cached.get(block.block_hash)}")
@@ -197,38 +220,14 @@ class BlockPool:
             return 0
         removed = self._cached.pop(block.block_hash)
         assert removed == block.block_id, f"hash of block {block.block_id} mapped to {removed}"
-        self._record_removed(block.block_hash)
-        block.block_hash = None
+        if self._events is not None:
+            self._events.removed(block.block_hash)
+        block.block_hash = block.parent_hash = None
         return 1
 
-    # Consecutive events merge when that loses nothing: removals always, stores when the
-    # new block continues the open event's chain. Fewer, bigger messages for the router;
-    # the open event's hash list grows in place (amortized O(1) per block).
-    def _record_stored(self, block_hash: BlockHash, parent_hash: BlockHash | None) -> None:
-        last = self._pending[-1] if self._pending else None
-        if (last is not None and last.is_stored and parent_hash is not None
-                and last.block_hashes[-1] == parent_hash):
-            last.block_hashes.append(block_hash)
-        else:
-            self._pending.append(_PendingEvent(True, [block_hash], parent_hash))
-
-    def _record_removed(self, block_hash: BlockHash) -> None:
-        last = self._pending[-1] if self._pending else None
-        if last is not None and not last.is_stored:
-            last.block_hashes.append(block_hash)
-        else:
-            self._pending.append(_PendingEvent(False, [block_hash], None))
-
-
-@dataclass(slots=True)
-class _PendingEvent:
-    """A BlockStored (is_stored) or BlockRemoved still open for merging."""
-
-    is_stored: bool
-    block_hashes: list[BlockHash]
-    parent_hash: BlockHash | None
-
-    def freeze(self) -> KVEvent:
-        if self.is_stored:
-            return BlockStored(tuple(self.block_hashes), self.parent_hash)
-        return BlockRemoved(tuple(self.block_hashes))
+    def _record_cached_set(self, log: EventLog) -> EventLog:
+        """`log` with a BlockStored for every cached block (merged into chains where the
+        cache's order allows)."""
+        for block_hash, block_id in self._cached.items():
+            log.stored(block_hash, self._blocks[block_id].parent_hash)
+        return log

@@ -27,7 +27,7 @@ from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, Frame
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.packing import pack_layer
 from splitserve.transfer.telemetry import TransferTelemetry
-from splitserve.transfer.transport import (Buffer, Channel, ChannelPool, TransferState,
+from splitserve.transfer.transport import (Buffer, Channel, ChannelSource, TransferState,
                                            remaining)
 
 logger = logging.getLogger(__name__)
@@ -72,12 +72,12 @@ class Export:
             if self.channel is not None:
                 self.channel.close()  # wakes it if it waits on the network
 
-    def run(self, channels: ChannelPool, wire_fault: tuple[str, float]) -> None:
+    def run(self, channels: ChannelSource) -> None:
         """The send thread: streams the transfer on a channel from `channels` (given back
-        if the transfer ended in step); `wire_fault` is (drop | corrupt | delay, seconds)."""
+        if the transfer ended in step)."""
         try:
             with torch.inference_mode():  # layers copied in the forward are inference tensors
-                self._stream(channels, wire_fault)
+                self._stream(channels)
         except TruncatedTransfer as exc:
             self.fail(self._explain(exc))
         except KVTransferError as exc:
@@ -93,13 +93,8 @@ class Export:
             elif channel is not None:
                 channel.close()
 
-    def _stream(self, channels: ChannelPool, wire_fault: tuple[str, float]) -> None:
+    def _stream(self, channels: ChannelSource) -> None:
         header, tel, deadline = self.header, self.handle.telemetry, self.deadline
-        fault, delay_s = wire_fault
-        if fault == "drop":
-            raise KVTransferError("fault injection: this transfer is dropped")
-        if fault == "delay":
-            time.sleep(min(delay_s, remaining(deadline, "delaying the send (fault injection)")))
         if not self._open(channels):  # failed or cancelled while connecting
             return
         reader, channel = self.reader, self.channel
@@ -120,8 +115,6 @@ class Export:
             t0 = time.perf_counter()
             parts = pack_layer(header, layer, job.kv)
             tel.pack_s += time.perf_counter() - t0
-            if fault == "corrupt" and layer == 0:
-                parts = _flip_a_byte(parts)
             self._send(parts)
         job = self._next_job()
         assert isinstance(job, TrailerJob), "the trailer follows the last layer"
@@ -133,7 +126,7 @@ class Export:
         self.in_step = reply.outcome in (ReplyOutcome.COMMITTED, ReplyOutcome.DUPLICATE)
         self._finish(reply)
 
-    def _open(self, channels: ChannelPool) -> bool:
+    def _open(self, channels: ChannelSource) -> bool:
         """Takes a channel to the receiver (an idle one if the pool has it) and sends the
         header; False if the transfer ended meanwhile."""
         channel, reused = channels.acquire(self.plan.address, self.deadline)
@@ -196,9 +189,3 @@ class Export:
         tel.wire_s += end - start
         tel.wire_bytes += sum(len(memoryview(p).cast("B")) for p in parts)
 
-
-def _flip_a_byte(parts: list[Buffer]) -> list[Buffer]:
-    """Fault injection: the last part (the layer's payload) with its middle byte flipped."""
-    payload = bytearray(memoryview(parts[-1]).cast("B"))
-    payload[len(payload) // 2] ^= 0xFF
-    return [*parts[:-1], bytes(payload)]

@@ -7,31 +7,30 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.engine import LLMEngine
+from splitserve.engine.kv_connector import KVConnector, KVLayout
 from splitserve.transfer.blob import BlobHeader, BlobTrailer, FrameKind, frame, record_frame
 from splitserve.transfer.handle import TransferPlan
 from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, encode_layer, layer_nbytes
 from splitserve.transfer.transport import Buffer
 
 
-def build_header(engine: LLMEngine, plan: TransferPlan, namespace: str | None,
+def build_header(layout: KVLayout, plan: TransferPlan, namespace: str | None,
                  block_hashes: Sequence[bytes], compression: Compression) -> BlobHeader:
-    """The header of `plan`'s transfer from `engine`, whose full blocks in the range hash
-    to `block_hashes`."""
-    bs = engine.block_size
+    """The header of `plan`'s transfer from an engine of `layout`, whose full blocks in
+    the range hash to `block_hashes`."""
+    bs = layout.block_size
     if plan.start_token % bs or not 0 <= plan.start_token < plan.end_token:
         raise ValueError(f"plan range [{plan.start_token}, {plan.end_token}) must be "
                          f"non-empty and start on a block boundary (block size {bs})")
-    num_blocks = -(-plan.end_token // bs) - plan.start_token // bs
-    shape = (2, num_blocks, bs, engine.spec.num_kv_heads, engine.spec.head_dim)
-    dtype = DTYPE_NAMES[engine.kv_cache.dtype]
+    shape = layout.layer_shape(-(-plan.end_token // bs) - plan.start_token // bs)
+    dtype = DTYPE_NAMES[layout.dtype]
     nbytes = layer_nbytes(shape, dtype, compression)
     header = BlobHeader(
-        transfer_id=plan.transfer_id, fingerprint=engine.fingerprint,
+        transfer_id=plan.transfer_id, fingerprint=layout.fingerprint,
         request_id=plan.request_id, namespace=namespace, block_hashes=tuple(block_hashes),
         start_token=plan.start_token, end_token=plan.end_token,
-        num_layers=engine.spec.num_layers, layer_shape=shape, dtype=dtype,
-        compression=compression, layer_nbytes=(nbytes,) * engine.spec.num_layers)
+        num_layers=layout.num_layers, layer_shape=shape, dtype=dtype,
+        compression=compression, layer_nbytes=(nbytes,) * layout.num_layers)
     header.check()
     return header
 
@@ -45,14 +44,15 @@ def pack_layer(header: BlobHeader, layer: int, kv: torch.Tensor) -> list[Buffer]
     return frame(FrameKind.LAYER, encode_layer(kv, header.compression), layer)
 
 
-def held_blob_frames(engine: LLMEngine, plan: TransferPlan, first_token_id: int, *,
+def held_blob_frames(engine: KVConnector, plan: TransferPlan, first_token_id: int, *,
                      namespace: str | None = None,
                      compression: Compression = Compression.NONE) -> list[bytes]:
     """Every frame (header, layers, trailer) of a transfer of a held request's KV, as
     bytes: for tools and tests that drive a channel by hand. Engine thread."""
     kv = engine.export_kv(plan.request_id)
-    skip = plan.start_token // engine.block_size
-    header = build_header(engine, plan, namespace, kv.block_hashes[skip:], compression)
+    skip = plan.start_token // engine.kv_layout.block_size
+    header = build_header(engine.kv_layout, plan, namespace, kv.block_hashes[skip:],
+                          compression)
     frames = [record_frame(FrameKind.HEADER, header)]
     with torch.inference_mode():
         frames += [pack_layer(header, i, engine.read_kv_layer(i, kv.block_ids[skip:]))

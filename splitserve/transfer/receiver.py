@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from splitserve.engine.engine import KVRange, LLMEngine
+from splitserve.engine.kv_connector import KVConnector, KVRange
 from splitserve.errors import (FingerprintMismatch, HeaderMismatch, KVImportError,
                                KVTransferError, TransferCancelled, TransferTimeout)
 from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,
@@ -76,7 +76,7 @@ class KVReceiver:
                                        output) or Failed(reason) (blocks already freed)
     """
 
-    def __init__(self, engine: LLMEngine, listener: Listener, *, header_timeout_s: float = 10.0,
+    def __init__(self, engine: KVConnector, listener: Listener, *, header_timeout_s: float = 10.0,
                  remember: int = 4096) -> None:
         self.engine, self.listener = engine, listener
         self.header_timeout_s = header_timeout_s
@@ -88,7 +88,7 @@ class KVReceiver:
         self._closed = threading.Event()
         self._activity = threading.Event()  # set by readers when poll() has work
         self._channels: set[Channel] = set()  # open incoming channels (busy or idle)
-        self._kv_dtype = DTYPE_NAMES[engine.kv_cache.dtype]
+        self._kv_dtype = DTYPE_NAMES[engine.kv_layout.dtype]
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name="kv-accept")
         self._accept_thread.start()
@@ -308,11 +308,11 @@ class KVReceiver:
 
     def _check_header(self, imp: _Import, header: BlobHeader) -> None:
         """Compatibility of a well-formed header with this engine and this import."""
-        engine, plan, target = self.engine, imp.plan, imp.target
-        if header.fingerprint != engine.fingerprint:
+        layout, plan, target = self.engine.kv_layout, imp.plan, imp.target
+        if header.fingerprint != layout.fingerprint:
             raise FingerprintMismatch(
                 f"KV for request {header.request_id!r} comes from model fingerprint "
-                f"{header.fingerprint}, this engine is {engine.fingerprint}: the engines "
+                f"{header.fingerprint}, this engine is {layout.fingerprint}: the engines "
                 "differ in model, weights, KV dtype or block size; route the request to a "
                 "prefill worker serving the same model configuration")
         if header.request_id != plan.request_id:
@@ -328,13 +328,12 @@ class KVReceiver:
         if list(header.block_hashes) != list(target.block_hashes):
             raise HeaderMismatch(f"block hashes of request {plan.request_id!r} differ: the "
                                  "sender computed KV for other tokens")
-        shape = (2, len(target.block_ids), engine.block_size, engine.spec.num_kv_heads,
-                 engine.spec.head_dim)
+        shape = layout.layer_shape(len(target.block_ids))
         if (header.layer_shape, header.num_layers, header.dtype) != (
-                shape, engine.spec.num_layers, self._kv_dtype):
+                shape, layout.num_layers, self._kv_dtype):
             raise HeaderMismatch(f"layout {list(header.layer_shape)} x {header.num_layers} "
                                  f"{header.dtype} does not fit {list(shape)} x "
-                                 f"{engine.spec.num_layers} {self._kv_dtype}")
+                                 f"{layout.num_layers} {self._kv_dtype}")
 
     @staticmethod
     def _verdict(handle: TransferHandle, if_done: ReplyOutcome) -> TransferReply:

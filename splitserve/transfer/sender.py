@@ -6,9 +6,9 @@ the engine still computes, and hold its blocks under a lease until the receiver 
     step returns -> poll(outputs)        --> trailer(first token), wait for the reply
     poll(): reply or lease expiry        --> release_kv, exactly once
 
-Every engine call (read_kv_layer, export_kv, release_kv) happens on the engine thread:
-inside the layer listener or in `start` / `send_held` / `poll` / `cancel`, which the
-worker calls between steps. The layer listener only copies the layer's blocks out (so the
+Every engine call (through its KV connector, engine/kv_connector.py) happens on the
+engine thread: inside the layer listener or in `start` / `send_held` / `poll` / `cancel`,
+which the worker calls between steps. The layer listener only copies the layer's blocks out (so the
 bytes sent are a snapshot, whatever the engine does next) and enqueues them. The send
 thread's side of a transfer is export.py.
 """
@@ -20,11 +20,12 @@ import time
 from collections.abc import Sequence
 
 from splitserve.engine.batch import ScheduledBatch
-from splitserve.engine.engine import LLMEngine
+from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.output import RequestOutput
 from splitserve.errors import KVImportError, TransferCancelled, TransferTimeout
 from splitserve.kv_cache import root_hash
 from splitserve.transfer.export import Export, LayerJob, TrailerJob
+from splitserve.transfer.faulty import FaultyChannels, WireFault
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.layer_codec import Compression, layer_nbytes
 from splitserve.transfer.packing import build_header
@@ -46,13 +47,13 @@ class KVSender:
         handle.poll() -> Pending | Transferring | Done | Failed(reason)
     """
 
-    def __init__(self, engine: LLMEngine, *, compression: Compression = Compression.NONE) -> None:
+    def __init__(self, engine: KVConnector, *,
+                 compression: Compression = Compression.NONE) -> None:
         self.engine = engine
         self.compression = compression
         self.num_released = 0  # requests whose held KV this sender freed (exactly once each)
         self._exports: dict[str, Export] = {}
-        # Injected wire faults by request id: (kind, seconds), kind drop | corrupt | delay.
-        self.wire_faults: dict[str, tuple[str, float]] = {}
+        self._faults: dict[str, WireFault] = {}  # armed, by request id (fault injection)
         self._streaming: list[tuple[Export, list[int]]] = []
         self._streaming_batch: ScheduledBatch | None = None
         self._chained = engine.layer_listener
@@ -65,18 +66,17 @@ class KVSender:
         """Streams the prompt KV of a request added with `hold_kv=True` and not yet
         prefilled: each layer leaves as soon as the prefill step computed it.
         `namespace` is the one the request was added with (checked against the engine)."""
-        req = self.engine.scheduler.requests.get(request_id)
+        req = self.engine.request_state(request_id)
         if req is None or not req.hold_kv:
             raise KVImportError(f"request {request_id!r} is not a live request added with "
                                 "hold_kv=True; add it before starting its transfer")
-        if req.cache_root != root_hash(self.engine.fingerprint, namespace):
+        if req.cache_root != root_hash(self.engine.kv_layout.fingerprint, namespace):
             raise ValueError(f"request {request_id!r} was added with another namespace than "
                              f"{namespace!r}; pass the namespace given to add_request")
         if plan.end_token != req.num_prefill_tokens:
             raise ValueError(f"plan covers tokens up to {plan.end_token} but the prompt has "
                              f"{req.num_prefill_tokens}; the two engines got different prompts")
-        bs = self.engine.block_size
-        hashes = req.block_hashes[plan.start_token // bs:plan.end_token // bs]
+        hashes = req.block_hashes[plan.start_token // self.engine.kv_layout.block_size:]
         export = self._new_export(request_id, plan, namespace, hashes, compression)
         if req.num_computed_tokens >= req.num_prefill_tokens:
             logger.warning("request %s was prefilled before its transfer started; its KV "
@@ -92,7 +92,7 @@ class KVSender:
         if plan.end_token != kv.end_token:
             raise ValueError(f"plan covers tokens up to {plan.end_token} but the held prompt "
                              f"has {kv.end_token}")
-        skip = plan.start_token // self.engine.block_size
+        skip = plan.start_token // self.engine.kv_layout.block_size
         export = self._new_export(request_id, plan, namespace, kv.block_hashes[skip:],
                                   compression)
         export.prefill_done = True
@@ -111,7 +111,7 @@ class KVSender:
                 self._on_prefill_output(export, out, now)
         finished = []
         for request_id, export in list(self._exports.items()):
-            if not export.prefill_done and request_id not in self.engine.scheduler.requests:
+            if not export.prefill_done and self.engine.request_state(request_id) is None:
                 export.prefill_done = True  # it left the engine without an output we saw
                 export.fail(TransferCancelled(f"request {request_id!r} ended before its "
                                               "prefill produced a token"))
@@ -132,8 +132,14 @@ class KVSender:
         """Transfers not yet finished and released."""
         return len(self._exports)
 
+    def arm_fault(self, request_id: str, fault: WireFault) -> None:
+        """Fault injection: the request's next transfer takes its channel through
+        `FaultyChannels`, which drops, delays or corrupts it."""
+        self._faults[request_id] = fault
+
     def cancel(self, request_id: str) -> None:
         """Stops the request's transfer; its KV is released by the next `poll`."""
+        self._faults.pop(request_id, None)
         export = self._exports.get(request_id)
         if export is not None:
             export.fail(TransferCancelled(f"transfer of request {request_id!r} was cancelled"))
@@ -176,7 +182,7 @@ class KVSender:
     def _streams_completing_in(self, batch: ScheduledBatch) -> list[tuple[Export, list[int]]]:
         """Exports whose prompt's last token is computed in this step (so every layer's KV
         of the whole range is in the cache once that layer ran), with their block ids."""
-        bs = self.engine.block_size
+        bs = self.engine.kv_layout.block_size
         streams = []
         for seq in batch.seqs:
             export = self._exports.get(seq.request_id)
@@ -196,7 +202,7 @@ class KVSender:
         if plan.request_id != request_id:
             raise ValueError(f"plan is for request {plan.request_id!r}, not {request_id!r}")
         compression = self.compression if compression is None else compression
-        header = build_header(self.engine, plan, namespace, block_hashes, compression)
+        header = build_header(self.engine.kv_layout, plan, namespace, block_hashes, compression)
         shape, dtype = header.layer_shape, header.dtype
         telemetry = TransferTelemetry(
             plan.transfer_id, request_id, scheme(plan.address), TransferSide.SENDER,
@@ -204,9 +210,10 @@ class KVSender:
             num_tokens=plan.end_token - plan.start_token,
             payload_bytes=layer_nbytes(shape, dtype, Compression.NONE) * header.num_layers)
         export = Export(plan, header, telemetry, time.monotonic() + plan.timeout_s)
-        wire_fault = self.wire_faults.pop(request_id, ("", 0.0))
-        export.thread = threading.Thread(target=export.run, args=(self._channels, wire_fault),
-                                         daemon=True, name=f"kv-send-{request_id}")
+        fault = self._faults.pop(request_id, None)
+        channels = self._channels if fault is None else FaultyChannels(self._channels, fault)
+        export.thread = threading.Thread(target=export.run, args=(channels,), daemon=True,
+                                         name=f"kv-send-{request_id}")
         self._exports[request_id] = export
         export.thread.start()
         return export
@@ -228,7 +235,7 @@ class KVSender:
             except KVImportError as exc:
                 export.fail(TransferCancelled(f"KV of {out.request_id!r} is not held: {exc}"))
                 return
-            first = export.header.start_token // self.engine.block_size
+            first = export.header.start_token // self.engine.kv_layout.block_size
             self._copy_all_layers(export, kv.block_ids[first:])
         export.jobs.put(TrailerJob(out.token_ids[num_resumed]))
 

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 from splitserve.errors import KVTransferError, TransferTimeout
 
@@ -116,7 +117,18 @@ MAX_IDLE_S = 60.0
 RECEIVER_IDLE_S = 5 * MAX_IDLE_S
 
 
-class ChannelPool:
+class ChannelSource(Protocol):
+    """Where a sender's transfer takes its channel from and gives it back to: a
+    `ChannelPool`, or a wrapper around one (fault injection, faulty.py)."""
+
+    def acquire(self, address: str, deadline: float) -> tuple[Channel, bool]:
+        """A channel to `address`, and whether it is a reused one."""
+
+    def release(self, address: str, channel: Channel) -> None:
+        """Takes back `channel`, whose last transfer ended cleanly (else it is closed)."""
+
+
+class ChannelPool(ChannelSource):
     """Idle channels kept open between transfers, by address, so that a transfer does not
     pay a connection, a handshake and fresh (page-faulting) buffers every time.
 
@@ -133,7 +145,6 @@ class ChannelPool:
         self._closed = False
 
     def acquire(self, address: str, deadline: float) -> tuple[Channel, bool]:
-        """A channel to `address`, and whether it is a reused one."""
         while True:
             with self._lock:
                 idle = self._idle.get(address)
@@ -145,7 +156,7 @@ class ChannelPool:
             channel.close()
 
     def release(self, address: str, channel: Channel) -> None:
-        """Keeps `channel`, whose last transfer ended cleanly, for the next transfer."""
+        """Keeps `channel` for the next transfer (up to `max_idle_per_address`)."""
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if not self._closed and len(idle) < self.max_idle_per_address:

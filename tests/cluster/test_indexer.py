@@ -139,6 +139,7 @@ def test_index_follows_a_real_block_pool() -> None:
     """Events from KVCacheManager (allocation pressure evicts cached blocks) keep the
     index equal to the pool's own prefix lookups."""
     mgr = KVCacheManager(num_blocks=6, block_size=BS)
+    mgr.pool.enable_events()
     index = PrefixIndex()
     root = root_hash(FP, None)
     prompts = [list(range(3 * BS)), list(range(2 * BS)) + [7] * BS, [5] * (4 * BS)]

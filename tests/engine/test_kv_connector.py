@@ -1,5 +1,6 @@
-"""The engine's KV connector: export a prefilled request's blocks from engine A, import them
-into engine B (WAITING_FOR_KV), and B continues exactly as A would have."""
+"""The engine's KV connector (engine/kv_connector.py): export a prefilled request's blocks
+from engine A, import them into engine B (WAITING_FOR_KV), and B continues exactly as A
+would have. The KV moves through the `KVConnector` interface only, as a transfer does."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,28 @@ import dataclasses
 import pytest
 
 from splitserve import SamplingParams
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.output import RequestOutput
+from splitserve.engine.request import RequestStatus
 from splitserve.errors import KVImportError
+
+
+def copy_kv(src_engine: KVConnector, dst_engine: KVConnector, rid: str,
+            first_token_id: int) -> RequestOutput:
+    """What a sender and a receiver do together, without the wire."""
+    src = src_engine.export_kv(rid)
+    dst = dst_engine.kv_import_target(rid)
+    assert dst is not None
+    layout = src_engine.kv_layout
+    assert dst_engine.kv_layout == layout
+    skip = (dst.start_token - src.start_token) // layout.block_size
+    assert src.block_hashes[skip:skip + len(dst.block_hashes)] == dst.block_hashes
+    for layer in range(layout.num_layers):
+        kv = src_engine.read_kv_layer(layer, src.block_ids[skip:])
+        assert kv.shape == layout.layer_shape(len(dst.block_ids))
+        dst_engine.write_kv_layer(layer, dst.block_ids, kv)
+    src_engine.release_kv(rid)
+    return dst_engine.commit_kv(rid, first_token_id)
 
 
 def handoff(a, b, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -20,15 +42,7 @@ def handoff(a, b, rid: str, prompt: list[int], params: SamplingParams) -> list[i
         for o in a.engine.step():
             out = o
     assert out is not None and out.finished
-    src = a.engine.export_kv(rid)
-    dst = b.engine.kv_import_target(rid)
-    assert dst is not None
-    skip = (dst.start_token - src.start_token) // a.engine.block_size
-    assert src.block_hashes[skip:skip + len(dst.block_hashes)] == dst.block_hashes
-    for layer in range(a.engine.spec.num_layers):
-        b.engine.write_kv_layer(layer, dst.block_ids, a.engine.read_kv_layer(layer, src.block_ids[skip:]))
-    a.engine.release_kv(rid)
-    res = b.engine.commit_kv(rid, out.token_ids[0])
+    res = copy_kv(a.engine, b.engine, rid, out.token_ids[0])
     tokens = list(res.token_ids)
     while b.engine.has_unfinished:
         for o in b.engine.step():
@@ -43,7 +57,7 @@ def test_handoff_continues_identically(make_llm, length: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = ref.generate(prompt, params)[0].token_ids
     assert handoff(a, b, "r", prompt, params) == expected
-    assert a.engine.kv.pool.num_used_blocks == 0
+    assert a.engine.load().kv_blocks_used == 0
 
 
 def test_seeded_sampling_continues_identically(make_llm) -> None:
@@ -72,7 +86,7 @@ def test_failed_import_releases_blocks_and_can_recompute(make_llm) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     b.engine.add_request("x", prompt, params, await_kv=True)
     assert b.engine.kv_import_target("x") is not None
-    assert b.engine.kv.pool.num_used_blocks > 0
+    assert b.engine.load().kv_blocks_used > 0
     b.engine.fail_kv("x", recompute=True)
     out = None
     while b.engine.has_unfinished:
@@ -81,3 +95,35 @@ def test_failed_import_releases_blocks_and_can_recompute(make_llm) -> None:
     assert out is not None and out.token_ids == ref.generate(prompt, params)[0].token_ids
     with pytest.raises(KVImportError):
         b.engine.commit_kv("x", 1)
+
+
+def test_request_state_and_ids_follow_a_request_through_export(make_llm) -> None:
+    a = make_llm()
+    prompt = list(range(5000, 5037))  # 2 full blocks of 16 and a partial one
+    a.engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    state = a.engine.request_state("p")
+    assert state is not None and state.status == RequestStatus.WAITING and state.hold_kv
+    assert (state.num_prefill_tokens, state.num_computed_tokens) == (37, 0)
+    assert len(state.block_hashes) == 2
+    while a.engine.has_unfinished:
+        a.engine.step()
+    assert a.engine.request_state("p") is None  # finished: no longer live ...
+    assert a.engine.request_ids() == ["p"]  # ... but its KV is held
+    assert a.engine.export_kv("p").block_hashes == list(state.block_hashes)
+    a.engine.release_kv("p")
+    assert a.engine.request_ids() == [] and a.engine.load().kv_blocks_used == 0
+    with pytest.raises(KVImportError):
+        a.engine.export_kv("p")
+
+
+def test_failed_import_without_recompute_drops_the_request(make_llm) -> None:
+    b = make_llm()
+    b.engine.add_request("x", list(range(6000, 6030)), SamplingParams(max_tokens=4),
+                         await_kv=True)
+    state = b.engine.request_state("x")
+    assert state is not None and state.status == RequestStatus.WAITING_FOR_KV
+    assert b.engine.kv_import_target("x") is not None
+    b.engine.fail_kv("x", recompute=False)
+    assert b.engine.request_state("x") is None and b.engine.request_ids() == []
+    assert b.engine.load().kv_blocks_used == 0 and not b.engine.has_unfinished
+    b.engine.fail_kv("x", recompute=False)  # no longer waiting: a no-op

@@ -9,6 +9,7 @@ H = [bytes([i]) * 16 for i in range(4)]
 
 def test_evicts_free_cached_blocks_and_spares_used_ones() -> None:
     pool = BlockPool(4)
+    pool.enable_events()
     ids = pool.allocate(3)
     assert ids is not None
     for i, block_id in enumerate(ids):

@@ -47,6 +47,7 @@ def test_free_appends_to_tail_in_given_order() -> None:
 
 def test_lru_evicts_last_blocks_of_a_request_first() -> None:
     pool = BlockPool(4)
+    pool.enable_events()
     ids = take(pool, 4)
     assert ids == [0, 1, 2, 3]
     for i, block_id in enumerate(ids):
@@ -95,6 +96,7 @@ def test_cached_prefix_stops_at_first_miss() -> None:
 
 def test_duplicate_hash_keeps_first_block() -> None:
     pool = BlockPool(4)
+    pool.enable_events()
     a, b = take(pool, 2)
     pool.cache_block(a, h(5), None)
     pool.cache_block(b, h(5), None)
@@ -111,6 +113,7 @@ def test_duplicate_hash_keeps_first_block() -> None:
 
 def test_events_in_order_and_chains_merge() -> None:
     pool = BlockPool(4)
+    pool.enable_events()
     ids = take(pool, 4)
     pool.cache_block(ids[0], h(0), None)
     pool.cache_block(ids[1], h(1), h(0))  # continues the chain: merged
@@ -132,6 +135,7 @@ def test_events_in_order_and_chains_merge() -> None:
 
 def test_evict_all_cached_only_drops_free_blocks() -> None:
     pool = BlockPool(4)
+    pool.enable_events()
     ids = take(pool, 3)
     for i in ids:
         pool.cache_block(i, h(i), None)
@@ -147,6 +151,7 @@ def test_evict_all_cached_only_drops_free_blocks() -> None:
 
 def test_prefix_caching_disabled() -> None:
     pool = BlockPool(2, enable_prefix_caching=False)
+    pool.enable_events()
     [b] = take(pool, 1)
     pool.cache_block(b, h(1), None)
     assert pool.lookup(h(1)) is None

@@ -3,7 +3,8 @@
 Besides `check_invariants()` after every rule, the machine models what the GPU would
 hold: `content[block_id]` is the hash of the tokens last written into a block. A prefix
 hit must return blocks whose content matches, a block being written must be exclusively
-owned and uncached, and replaying the KV events must rebuild the pool's cached hash set.
+owned and uncached, and replaying the KV events must rebuild the pool's cached hash set,
+also when the event backlog overflows between drains (the pool then reports a resync).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from splitserve.kv_cache import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager,
                                  KVEvent, hash_full_blocks, root_hash)
+from splitserve.kv_cache.events import EventLog
 
 BS = 2
 NUM_BLOCKS = 8
@@ -28,11 +30,13 @@ def has_requests(machine: KVCacheMachine) -> bool:
 
 class KVCacheMachine(RuleBasedStateMachine):
     enable_prefix_caching = True
+    max_pending_hashes: int | None = None  # the pool's default
 
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVCacheManager(NUM_BLOCKS, BS, self.enable_prefix_caching)
         self.pool = self.mgr.pool
+        self.pool.enable_events(self.max_pending_hashes)
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
         self.content: dict[int, bytes | None] = {}
@@ -49,7 +53,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def snapshot(self) -> tuple[object, ...]:
         return (list(self.pool._free_queue), dict(self.pool._cached),
                 [self.pool.block(i).ref_cnt for i in range(NUM_BLOCKS)],
-                {r: self.mgr.block_table(r) for r in self.tokens}, len(self.pool._pending))
+                {r: self.mgr.block_table(r) for r in self.tokens},
+                len(self.log._pending), self.log.overflowed)
+
+    @property
+    def log(self) -> EventLog:
+        assert self.pool._events is not None
+        return self.pool._events
 
     def check_hit(self, block_ids: list[int], hs: list[bytes]) -> None:
         assert len(block_ids) <= len(hs)
@@ -179,7 +189,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.mgr.check_invariants()
-        pending = [event.freeze() for event in self.pool._pending]  # peek, do not drain
+        if self.log.overflowed:
+            return  # the backlog is gone: the next drain resyncs, publish_events replays it
+        pending = [event.freeze() for event in self.log._pending]  # peek, do not drain
         cached = {self.pool.block(i).block_hash for i in range(NUM_BLOCKS)} - {None}
         assert self.replay(set(self.index), pending) == cached, (
             "events do not replay to the cached set")
@@ -189,9 +201,16 @@ class KVCacheMachineNoPrefixCaching(KVCacheMachine):
     enable_prefix_caching = False
 
 
+class KVCacheMachineTinyBacklog(KVCacheMachine):
+    """At most 3 hashes wait between drains: many drains follow an overflow."""
+    max_pending_hashes = 3
+
+
 _settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestKVCacheStateful = KVCacheMachine.TestCase
 TestKVCacheStateful.settings = _settings
 TestKVCacheStatefulNoPrefixCaching = KVCacheMachineNoPrefixCaching.TestCase
 TestKVCacheStatefulNoPrefixCaching.settings = settings(_settings, max_examples=30)
+TestKVCacheStatefulTinyBacklog = KVCacheMachineTinyBacklog.TestCase
+TestKVCacheStatefulTinyBacklog.settings = settings(_settings, max_examples=60)

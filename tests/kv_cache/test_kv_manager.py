@@ -74,6 +74,7 @@ def test_hit_on_blocks_in_use_by_another_request() -> None:
 
 def test_allocate_none_counts_free_hits_and_changes_nothing() -> None:
     mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr.pool.enable_events()
     tokens = list(range(9))
     run_prefill(mgr, "a", tokens)
     mgr.free("a")  # free queue: 3 2 1 0, blocks 0 1 cached
@@ -99,6 +100,7 @@ def test_allocate_none_counts_free_hits_and_changes_nothing() -> None:
 
 def test_cache_blocks_incrementally_with_chained_parents() -> None:
     mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr.pool.enable_events()
     tokens = list(range(14))
     hs = hashes(tokens)
     mgr.allocate("a", 14)
@@ -117,6 +119,7 @@ def test_cache_blocks_incrementally_with_chained_parents() -> None:
 
 def test_concurrent_duplicates_stay_uncached_and_evict_silently() -> None:
     mgr = KVCacheManager(num_blocks=6, block_size=BS)
+    mgr.pool.enable_events()
     tokens = list(range(9))
     mgr.allocate("a", 9)
     mgr.allocate("b", 9)  # no hit yet: both compute the same prompt
@@ -137,6 +140,7 @@ def test_concurrent_duplicates_stay_uncached_and_evict_silently() -> None:
 
 def test_free_reverse_order_and_idempotent() -> None:
     mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr.pool.enable_events()
     tokens = list(range(12))
     run_prefill(mgr, "a", tokens)
     mgr.pool.take_events()
@@ -153,6 +157,7 @@ def test_free_reverse_order_and_idempotent() -> None:
 
 def test_prefix_caching_disabled() -> None:
     mgr = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    mgr.pool.enable_events()
     tokens = list(range(9))
     run_prefill(mgr, "a", tokens)
     mgr.free("a")

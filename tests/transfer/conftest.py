@@ -138,7 +138,7 @@ def make_pair(make_llm: Callable[..., LLM]) -> Iterator[Callable[..., Pair]]:
         pair.sender.close()
         pair.receiver.close()
         for llm in (pair.a, pair.b):
-            assert llm.engine.kv.pool.num_used_blocks == 0, "KV blocks leaked"
+            assert llm.engine.load().kv_blocks_used == 0, "KV blocks leaked"
 
 
 # -- driving a receiver by hand with raw frames ------------------------------------------

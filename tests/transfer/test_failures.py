@@ -88,14 +88,14 @@ def test_sender_killed_mid_transfer(make_pair: Callable[..., Pair], spawn_sender
     recv = pair.receiver_handle(plan)
     pair.receiver.poll()
     assert recv.poll().state == TransferState.TRANSFERRING
-    assert pair.b.engine.kv.pool.num_used_blocks == 3  # reserved for the 37-token prompt
+    assert pair.b.engine.load().kv_blocks_used == 3  # reserved for the 37-token prompt
     killed = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     settle(pair, recv)
     assert time.monotonic() - killed < DEADLINE_S  # noticed from the closed stream, not a timer
     assert isinstance(recv.poll().error, TruncatedTransfer)
-    assert pair.b.engine.kv.pool.num_used_blocks == 0
-    assert "r" not in pair.b.engine.scheduler.requests
+    assert pair.b.engine.load().kv_blocks_used == 0
+    assert pair.b.engine.request_state("r") is None
     pair.b.engine.check_invariants()
 
 
@@ -108,7 +108,7 @@ def test_frozen_sender_hits_the_receiver_deadline(make_pair: Callable[..., Pair]
     recv = pair.receiver_handle(plan)
     settle(pair, recv)
     assert isinstance(recv.poll().error, TransferTimeout)
-    assert pair.b.engine.kv.pool.num_used_blocks == 0
+    assert pair.b.engine.load().kv_blocks_used == 0
     pair.b.engine.check_invariants()
     proc.send_signal(signal.SIGKILL)
 
@@ -149,7 +149,7 @@ def test_sender_lease_expiry_frees_its_blocks_exactly_once(make_llm: Callable) -
     a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
     send = sender.start("r", plan)
     sender.poll(a.engine.step())  # the prefill: streamed, then held under the lease
-    assert a.engine.kv.pool.num_used_blocks == 3
+    assert a.engine.load().kv_blocks_used == 3
     deadline = time.monotonic() + DEADLINE_S
     finished: list = []
     while not finished:  # the engine thread's poll releases the KV once the lease is over
@@ -157,7 +157,7 @@ def test_sender_lease_expiry_frees_its_blocks_exactly_once(make_llm: Callable) -
         finished = sender.poll()
         time.sleep(0.01)
     assert finished == [send] and isinstance(send.poll().error, TransferTimeout)
-    assert a.engine.kv.pool.num_used_blocks == 0 and sender.num_released == 1
+    assert a.engine.load().kv_blocks_used == 0 and sender.num_released == 1
     assert sender.poll() == []
     a.engine.release_kv("r")  # idempotent, and nothing is freed twice
     assert sender.num_released == 1
@@ -176,7 +176,7 @@ def test_kv_that_never_arrives(make_pair: Callable[..., Pair], recompute: bool) 
     if recompute:  # prefilled locally instead, to the same tokens
         out = run_to_end(pair.b, "r")
         assert out.token_ids == pair.a.generate(PROMPT, PARAMS)[0].token_ids
-    assert pair.b.engine.kv.pool.num_used_blocks == 0
+    assert pair.b.engine.load().kv_blocks_used == 0
     pair.b.engine.check_invariants()
 
 
@@ -199,11 +199,11 @@ def test_duplicate_delivery_is_detected_and_ignored(make_pair: Callable[..., Pai
     assert reader.read_reply(time.monotonic() + DEADLINE_S).outcome == ReplyOutcome.COMMITTED
     first.close()
     # ... and a replay after the commit is answered DUPLICATE without touching anything.
-    used = pair.b.engine.kv.pool.num_used_blocks
+    used = pair.b.engine.load().kv_blocks_used
     again = deliver(pair, "tcp", frames)
     assert again is not None and again.outcome == ReplyOutcome.DUPLICATE
     pair.receiver.poll()
-    assert pair.b.engine.kv.pool.num_used_blocks == used
+    assert pair.b.engine.load().kv_blocks_used == used
     tokens = pair.decode(recv)
     assert tokens == pair.a.generate(PROMPT, PARAMS)[0].token_ids
 
@@ -253,7 +253,7 @@ def test_expect_waits_for_room_and_close_frees_everything(make_pair: Callable[..
     pair.sender.close()
     pair.receiver.close()  # fails r1's import and releases its blocks
     pair.b.engine.abort("r2")
-    assert pair.a.engine.kv.pool.num_used_blocks == pair.b.engine.kv.pool.num_used_blocks == 0
+    assert pair.a.engine.load().kv_blocks_used == pair.b.engine.load().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])

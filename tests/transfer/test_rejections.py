@@ -26,8 +26,8 @@ def assert_rejected(pair: Pair, handle: TransferHandle, error: type[KVTransferEr
     assert status.state == TransferState.FAILED and isinstance(status.error, error), status
     assert handle.output is None
     engine = pair.b.engine
-    assert handle.request_id not in engine.scheduler.requests  # dropped, not running
-    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.request_state(handle.request_id) is None  # dropped, not running
+    assert engine.load().kv_blocks_used == 0
     engine.check_invariants()
     if reply is not None:
         assert reply.outcome == ReplyOutcome.REJECTED and reply.error_kind == error.__name__
@@ -49,7 +49,7 @@ def test_wrong_fingerprint(make_pair: Callable[..., Pair], tiny_qwen2_dir: str,
     assert_rejected(pair, recv, FingerprintMismatch)
     error = send.poll().error
     assert isinstance(error, TransferRejected) and error.remote_kind == "FingerprintMismatch"
-    assert pair.sender.num_released == 1 and pair.a.engine.kv.pool.num_used_blocks == 0
+    assert pair.sender.num_released == 1 and pair.a.engine.load().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -129,7 +129,7 @@ def test_unknown_transfer_is_refused_without_touching_others(
     assert recv.poll().state == TransferState.PENDING  # the real import is unaffected
     pair.receiver.cancel("r")
     settle(pair, recv)
-    assert pair.b.engine.kv.pool.num_used_blocks == 0
+    assert pair.b.engine.load().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

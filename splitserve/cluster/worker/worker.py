@@ -30,6 +30,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput, stable_text_len
 from splitserve.errors import InvalidRequestError, SplitserveError
+from splitserve.transfer.faulty import WireFault, WireFaultKind
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender
@@ -58,6 +59,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
+        self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
         self.sender = KVSender(self.engine) if spec.role is not Role.DECODE else None
         self.handoffs = Handoffs(self.engine, self.sender) if self.sender else None
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen())
@@ -83,7 +85,7 @@ class Worker:
         self._send(P.WorkerReady(
             worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
             fingerprint=engine.fingerprint, block_size=engine.block_size,
-            num_blocks=engine.num_blocks, max_model_len=engine.max_model_len,
+            num_blocks=engine.num_blocks, max_model_len=engine.context_limit,
             max_num_seqs=engine.config.scheduler.max_num_seqs,
             kv_address=self.receiver.address if self.receiver else None,
             kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
@@ -155,9 +157,8 @@ class Worker:
             self.engine.check_invariants()
         except AssertionError as exc:
             error = f"AssertionError: {exc}"
-        self._send(P.PoolReport(error is None, error, self.engine.kv.pool.num_used_blocks,
-                                len(self.engine.scheduler.requests)
-                                + len(self.engine.held_request_ids())))
+        self._send(P.PoolReport(error is None, error, self.engine.load().kv_blocks_used,
+                                len(self.engine.request_ids())))
 
     # -- fault injection (cluster/faults.py; off unless the spec enables it) --------------------
     def _inject(self, fault: FaultSpec | None, rid: str | None = None) -> bool:
@@ -178,7 +179,7 @@ class Worker:
                        "failed the request")
             return True
         elif fault.kind.endswith("_kv") and rid is not None and self.sender is not None:
-            self.sender.wire_faults[rid] = (fault.kind.removesuffix("_kv"), fault.seconds)
+            self.sender.arm_fault(rid, WireFault(WireFaultKind(fault.kind), fault.seconds))
         return False
 
     # -- requests -------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ class Worker:
                     # Token 1 reached the client from the prefill worker: streaming goes
                     # on from token 2 (with any of token 1's text it held back).
                     self._send_output(handle.output, send=handle.output.finished)
-                elif status.state is TransferState.FAILED and self.engine.scheduler.requests.get(
+                elif status.state is TransferState.FAILED and self.engine.request_state(
                         handle.request_id) is None:  # not recomputing locally
                     self._drop(handle.request_id, FailureKind.KV_TRANSFER, str(status.error))
 
@@ -363,16 +364,14 @@ class Worker:
         self.sock.send(P.encode(msg), copy=False)
 
     def close(self) -> None:
-        for rid in list(self.engine.scheduler.requests):
-            self._abort(rid)
-        for rid in self.engine.held_request_ids():
+        for rid in self.engine.request_ids():
             self._abort(rid)
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
         self.engine.check_invariants()
-        assert self.engine.kv.pool.num_used_blocks == 0, "blocks leaked at shutdown"
+        assert self.engine.load().kv_blocks_used == 0, "blocks leaked at shutdown"
         self.sock.close()
         self.ctx.term()
 
