@@ -114,7 +114,7 @@ def test_a_routed_hit_the_worker_lacks_is_invalidated() -> None:
         (w,) = await workers(d, ctx, "both")
         req = request()
         req.prompt_token_ids = list(range(40))  # 2 full blocks + 8 tokens
-        hashes = d._hashes(req)
+        hashes = d.workers.block_hashes(req.namespace, req.prompt_token_ids)
         from splitserve.kv_cache import BlockStored
         await w.send(P.KVEventBatch(1, [BlockStored(tuple(hashes), None)]))
         await until(lambda: bool(d.router.index.match(hashes)))

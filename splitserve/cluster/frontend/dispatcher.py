@@ -31,21 +31,20 @@ from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.admin import ClusterAdmin
-from splitserve.cluster.frontend.flight import Flight, FlightState, Outcome
+from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.placement import Placement
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy, stale_hashes
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.frontend.workers import Workers
 from splitserve.cluster.frontend.worker_table import WorkerInfo
 from splitserve.cluster.protocol import FailureKind
-from splitserve.cluster.router.admission import AdmissionQueue
-from splitserve.cluster.router.placement import RouteDecision, RouteReason
-from splitserve.cluster.router.router import Router, RouteRequest
+from splitserve.cluster.router.placement import RouteDecision
+from splitserve.cluster.router.router import Router
 from splitserve.config import DeadlineConfig
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTimeout,
                                SplitserveError, WorkerFailed)
-from splitserve.kv_cache.block_hash import hash_full_blocks, root_hash
 from splitserve.transfer.telemetry import TransferSide
 
 logger = logging.getLogger(__name__)
@@ -68,15 +67,11 @@ class Dispatcher:
         self.address = self.link.address
         self.workers = Workers(router, self.link, self.metrics)
         self.table = self.workers.table
-        self.flights: dict[str, Flight] = {}  # by request id
-        self.attempts: dict[str, Flight] = {}  # by the current attempt's id (what workers use)
-        self.stranded: list[Flight] = []  # retries waiting for a decode worker to register
-        self.admission: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
+        self.flights = FlightTable()
+        self.placement = Placement(router, self.workers, self.link, self.metrics, max_queue_len)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
-        self._registered = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._roots: dict[str | None, bytes] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -89,17 +84,7 @@ class Dispatcher:
                        asyncio.create_task(self._reaper(), name="dispatcher-reaper")]
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.table.workers) < num_workers:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{len(self.table.workers)} of {num_workers} workers "
-                                   f"registered within {timeout_s:g} s")
-            self._registered.clear()
-            try:
-                await asyncio.wait_for(self._registered.wait(), min(left, 1.0))
-            except TimeoutError:
-                pass
+        await self.workers.wait_for(num_workers, timeout_s)
 
     async def close(self) -> None:
         for identity in list(self.table.workers):
@@ -107,7 +92,7 @@ class Dispatcher:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for flight in self.flights.values():
+        for flight in self.flights:
             flight.queue.put_nowait(WorkerFailed("the server is shutting down"))
         self.link.close()
 
@@ -135,10 +120,6 @@ class Dispatcher:
             self._retire(flight, outcome)
 
     def _admit(self, request: GenerateRequest) -> Flight:
-        rid = request.request_id
-        if rid in self.flights:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight",
-                                      field="request_id")
         if not self.workers.decoders():
             self.metrics.admission_rejections.labels("503").inc()
             raise AdmissionRejected("no decode worker is up", retry_after_s=5.0,
@@ -150,60 +131,16 @@ class Dispatcher:
         timeout = request.timeout_s or self.deadlines.request_timeout_s
         flight = Flight(request, now, now + timeout,
                         min(now + timeout, now + self.deadlines.queue_timeout_s))
-        self.flights[rid] = self.attempts[rid] = flight
+        self.flights.add(flight)
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         return flight
 
     async def _place(self, flight: Flight) -> None:
-        req = flight.request
-        flight.route_req = RouteRequest(
-            request_id=req.request_id, block_hashes=self._hashes(req),
-            num_prompt_tokens=len(req.prompt_token_ids), tenant=req.tenant, disagg=req.disagg)
-        # Strict FIFO: while others wait, a newcomer queues behind them.
-        decision = None if len(self.admission) else self._claim(flight)
-        if decision is None:
-            if not self.admission.offer(flight):
-                self.metrics.admission_rejections.labels("429").inc()
-                raise AdmissionRejected(
-                    f"server overloaded: {len(self.admission)} requests already queued",
-                    retry_after_s=self.router.retry_after_s(len(self.admission)))
-            flight.admitted = asyncio.get_running_loop().create_future()
-            try:
-                decision = await flight.admitted  # the reaper fails it at the queue deadline
-            finally:
-                self.admission.remove(flight)
+        decision = await self.placement.place(flight)
         flight.dispatched_at = time.monotonic()
         self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
         flight.advance(FlightState.PREFILL, flight.dispatched_at, self.deadlines)
         self._dispatch(flight, decision)
-
-    def _claim(self, flight: Flight) -> RouteDecision | None:
-        """Routes the request and, when placed, books it on its workers at once, so the
-        next decision (of a burst, or of the queue) sees that load."""
-        assert flight.route_req is not None
-        t0 = time.perf_counter()
-        decision = self.router.route(flight.route_req)
-        self.metrics.router_seconds.observe(time.perf_counter() - t0)
-        if decision is None:
-            return None
-        self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
-        self.router.on_dispatched(decision, flight.route_req)
-        flight.decision = decision
-        if flight.attempt == 0:
-            flight.expected_hit = decision.num_cached_tokens
-        for worker_id, hashes in self.router.take_evictions().items():
-            worker = self.table.by_id.get(worker_id)
-            if worker is not None and hashes:
-                self.link.send(worker.identity, P.EvictBlocks(hashes))
-        return decision
-
-    def _admit_queued(self) -> None:
-        """Capacity may have freed up: place queued requests, oldest first."""
-        if not len(self.admission):
-            return
-        for flight, decision in self.admission.pop_ready(self._claim):
-            if flight.admitted is not None and not flight.admitted.done():
-                flight.admitted.set_result(decision)
 
     def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
         """Sends the attempt to its workers: the decode worker and, for a remote prefill,
@@ -232,8 +169,6 @@ class Dispatcher:
     def _release(self, flight: Flight) -> None:
         """Drops the current attempt everywhere: aborts it on workers still holding it."""
         aid = flight.attempt_id
-        if flight in self.stranded:
-            self.stranded.remove(flight)
         self.router.on_finished(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))
@@ -243,21 +178,11 @@ class Dispatcher:
                 info.request_ids.discard(aid)
 
     def _retire(self, flight: Flight, outcome: Outcome) -> None:
-        self.flights.pop(flight.request.request_id, None)
-        self.attempts.pop(flight.attempt_id, None)
         self._release(flight)
+        self.flights.remove(flight)
         self.metrics.observe_finished(flight, outcome.value, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
-        self._admit_queued()
-
-    def _hashes(self, req: GenerateRequest) -> list[bytes]:
-        fingerprint = self.table.fingerprint
-        if fingerprint is None:
-            return []
-        if req.namespace not in self._roots:
-            self._roots[req.namespace] = root_hash(fingerprint, req.namespace)
-        return hash_full_blocks(self._roots[req.namespace], req.prompt_token_ids,
-                                self.workers.block_size)
+        self.placement.admit_queued()
 
     # -- failures -------------------------------------------------------------------------------
     def fail_attempt(self, flight: Flight, kind: FailureKind, error: SplitserveError) -> None:
@@ -274,21 +199,19 @@ class Dispatcher:
     def _retry(self, flight: Flight, kind: FailureKind) -> bool:
         old = flight.attempt_id
         self._release(flight)
-        self.attempts.pop(old, None)
-        aid = flight.next_attempt(time.monotonic(), self.deadlines)
-        self.attempts[aid] = flight
+        aid = self.flights.next_attempt(flight, time.monotonic(), self.deadlines)
         assert flight.route_req is not None
         flight.route_req = replace(flight.route_req, request_id=aid)
         self.metrics.retries.labels(kind.value).inc()
         if flight.resumed:
             self.metrics.migrations.inc()
-        decision = self._claim(flight) or self._any_decode_worker(flight)
+        decision = self.placement.claim(flight) or self.placement.any_decoder(flight)
         if decision is None:
             if not self.retry.wait_for_restarts:
                 return False
             logger.warning("request %s: attempt %s failed (%s); no decode worker is up, "
                            "waiting for one", flight.request.request_id, old, kind.value)
-            self.stranded.append(flight)
+            self.flights.stranded.append(flight)
             return True
         logger.warning("request %s: attempt %s failed (%s); retrying as %s on %s%s, resuming "
                        "after %d tokens", flight.request.request_id, old, kind.value, aid,
@@ -299,28 +222,15 @@ class Dispatcher:
 
     def _place_stranded(self) -> None:
         """A worker registered: retries waiting for one go on."""
-        stranded, self.stranded = self.stranded, []
+        stranded, self.flights.stranded = self.flights.stranded, []
         for flight in stranded:
-            if flight.is_over or self.attempts.get(flight.attempt_id) is not flight:
+            if self.flights.attempt(flight.attempt_id) is not flight:
                 continue
-            decision = self._claim(flight) or self._any_decode_worker(flight)
+            decision = self.placement.claim(flight) or self.placement.any_decoder(flight)
             if decision is None:
-                self.stranded.append(flight)
+                self.flights.stranded.append(flight)
             else:
                 self._dispatch(flight, decision)
-
-    def _any_decode_worker(self, flight: Flight) -> RouteDecision | None:
-        """A retry does not queue behind new arrivals: when the router finds no placement
-        within budget, the least busy decode-capable worker prefills and decodes."""
-        workers = self.workers.decoders()
-        if not workers:
-            return None
-        worker = min(workers, key=lambda w: len(w.request_ids))
-        decision = RouteDecision(worker.worker_id, None, RouteReason.FORCED_LOCAL, 0.0, 0)
-        assert flight.route_req is not None
-        self.router.on_dispatched(decision, flight.route_req)
-        flight.decision = decision
-        return decision
 
     def mark_dead(self, identity: bytes, why: str) -> None:
         """Takes a worker out of routing and fails the attempts that still need it: each
@@ -333,7 +243,7 @@ class Dispatcher:
         if worker is None:
             return
         for aid in list(worker.request_ids):
-            flight = self.attempts.get(aid)
+            flight = self.flights.attempt(aid)
             if flight is not None and flight.needs(worker.identity):
                 self.fail_attempt(flight, FailureKind.WORKER_DEAD, WorkerFailed(why))
 
@@ -343,7 +253,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(REAPER_PERIOD_S)
             now = time.monotonic()
-            for flight in list(self.flights.values()):
+            for flight in self.flights:
                 overdue = flight.overdue(now, self.deadlines.queue_timeout_s)
                 if overdue is None:
                     continue
@@ -375,7 +285,7 @@ class Dispatcher:
             self._on_failed(worker, msg)
         elif isinstance(msg, P.LoadReport):
             self.workers.observe_load(worker, msg)
-            self._admit_queued()
+            self.placement.admit_queued()
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
                 self.link.send(identity, P.ResyncKV())
@@ -397,18 +307,15 @@ class Dispatcher:
         # A restarted worker: its previous incarnation is gone, with its cache; its
         # requests resume once the new one is registered (they may go to it).
         replaced = self.workers.join(identity, msg)
-        self._registered.set()
         self._orphan(replaced, f"worker {msg.worker_id} was replaced by a new incarnation")
         self._place_stranded()
-        self._admit_queued()
+        self.placement.admit_queued()
 
     def _current(self, worker: WorkerInfo, request_id: str) -> Flight | None:
         """The live flight whose current attempt is `request_id` on this worker; None for
         a late message of an attempt that was retried, aborted or finished."""
-        flight = self.attempts.get(request_id)
-        if flight is None or flight.is_over or worker.identity not in flight.workers:
-            return None
-        return flight
+        flight = self.flights.attempt(request_id)
+        return flight if flight is not None and worker.identity in flight.workers else None
 
     def _on_kv_plan(self, worker: WorkerInfo, msg: P.KVPlanReady) -> None:
         flight = self._current(worker, msg.request_id)
@@ -495,11 +402,8 @@ class Dispatcher:
         return bool(self.workers.decoders())
 
     def health(self) -> dict[str, object]:
-        return {"workers": [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
-                             "incarnation": w.identity.decode(errors="replace"),
-                             "pid": w.ready.pid, "requests": len(w.request_ids)}
-                            for w in self.table.workers.values()],
-                "in_flight": len(self.flights), "queued": len(self.admission)}
+        return {"workers": self.workers.health(), "in_flight": len(self.flights),
+                "queued": len(self.placement.queue)}
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
@@ -18,7 +19,7 @@ from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta, Str
 from splitserve.cluster.protocol import FailureKind
 from splitserve.cluster.router.placement import RouteDecision, RouteRequest
 from splitserve.config import DeadlineConfig
-from splitserve.errors import RequestTimeout
+from splitserve.errors import InvalidRequestError, RequestTimeout
 
 
 class FlightState(IntEnum):
@@ -132,3 +133,48 @@ class Flight:
         return FailureKind(f"timeout_{stage}"), RequestTimeout(
             f"request {self.request.request_id} passed a stage timeout in stage {stage}",
             stage=stage)
+
+
+class FlightTable:
+    """Every request in flight: by request id, by its current attempt's id (what the
+    workers know it by: an old attempt's id finds nothing), and the retries waiting for a
+    decode worker to register."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, Flight] = {}
+        self._by_attempt: dict[str, Flight] = {}
+        self.stranded: list[Flight] = []
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __getitem__(self, request_id: str) -> Flight:
+        return self._by_request[request_id]
+
+    def __iter__(self) -> Iterator[Flight]:
+        return iter(list(self._by_request.values()))
+
+    def add(self, flight: Flight) -> None:
+        rid = flight.request.request_id
+        if rid in self._by_request:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight",
+                                      field="request_id")
+        self._by_request[rid] = self._by_attempt[rid] = flight
+
+    def attempt(self, attempt_id: str) -> Flight | None:
+        """The live flight whose current attempt is `attempt_id`."""
+        flight = self._by_attempt.get(attempt_id)
+        return None if flight is None or flight.is_over else flight
+
+    def next_attempt(self, flight: Flight, now: float, deadlines: DeadlineConfig) -> str:
+        """Re-keys the flight under its next attempt; the new attempt's id."""
+        self._by_attempt.pop(flight.attempt_id, None)
+        aid = flight.next_attempt(now, deadlines)
+        self._by_attempt[aid] = flight
+        return aid
+
+    def remove(self, flight: Flight) -> None:
+        self._by_request.pop(flight.request.request_id, None)
+        self._by_attempt.pop(flight.attempt_id, None)
+        if flight in self.stranded:
+            self.stranded.remove(flight)

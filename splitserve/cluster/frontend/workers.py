@@ -9,6 +9,7 @@ to the incarnation that replaced it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -17,6 +18,7 @@ from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
 from splitserve.cluster.router.router import KVLayout, Router, WorkerLoad
+from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,22 @@ class Workers:
         self.max_model_len = 0  # the smallest any worker serves
         self.block_size = 16
         self._fenced: set[bytes] = set()  # removed incarnations already told to exit
+        self._registered = asyncio.Event()
+        self._roots: dict[str | None, BlockHash] = {}
+
+    async def wait_for(self, num_workers: int, timeout_s: float) -> None:
+        """Returns once `num_workers` are registered; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.table.workers) < num_workers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(self.table.workers)} of {num_workers} workers "
+                                   f"registered within {timeout_s:g} s")
+            self._registered.clear()
+            try:
+                await asyncio.wait_for(self._registered.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
 
     def join(self, identity: bytes, msg: P.WorkerReady) -> WorkerInfo | None:
         """Registers a worker; the incarnation it replaces, already removed, if any."""
@@ -48,6 +66,7 @@ class Workers:
         self._count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
+        self._registered.set()
         return replaced
 
     def leave(self, identity: bytes, why: str) -> WorkerInfo | None:
@@ -97,6 +116,21 @@ class Workers:
     def decoders(self) -> list[WorkerInfo]:
         """Healthy workers that can decode (decode and aggregated roles)."""
         return [w for w in self.table.healthy() if w.role.can_decode]
+
+    def block_hashes(self, namespace: str | None, token_ids: list[int]) -> list[BlockHash]:
+        """A prompt's block hashes as the workers compute them (DESIGN 4.1); none before
+        the first worker told the model's fingerprint."""
+        fingerprint = self.table.fingerprint
+        if fingerprint is None:
+            return []
+        if namespace not in self._roots:
+            self._roots[namespace] = root_hash(fingerprint, namespace)
+        return hash_full_blocks(self._roots[namespace], token_ids, self.block_size)
+
+    def health(self) -> list[dict[str, object]]:
+        return [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
+                 "incarnation": w.identity.decode(errors="replace"), "pid": w.ready.pid,
+                 "requests": len(w.request_ids)} for w in self.table.workers.values()]
 
     def _count(self) -> None:
         self.metrics.count_workers([(w.role.value, w.healthy)

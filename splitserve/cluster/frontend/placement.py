@@ -1,0 +1,95 @@
+"""Where a request goes: the router's decision, the admission queue when nothing has room,
+and booking the request on its workers the moment it is placed (so the next decision, of
+a burst or of the queue, sees that load).
+
+    place(flight)     a new request: route it, or queue it (strict FIFO, bounded: 429)
+                      until a load report or a finished request makes room
+    claim(flight)     route now or None (what the queue and retries use)
+    admit_queued()    capacity may have freed up: place queued requests, oldest first
+    any_decoder(...)  a retry's last resort: the least busy decode-capable worker
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.frontend.flight import Flight
+from splitserve.cluster.frontend.link import WorkerLink
+from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.workers import Workers
+from splitserve.cluster.router.admission import AdmissionQueue
+from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
+from splitserve.cluster.router.router import Router
+from splitserve.errors import AdmissionRejected
+
+
+class Placement:
+    def __init__(self, router: Router, workers: Workers, link: WorkerLink, metrics: Metrics,
+                 max_queue_len: int) -> None:
+        self.router, self.workers, self.link, self.metrics = router, workers, link, metrics
+        self.queue: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
+
+    async def place(self, flight: Flight) -> RouteDecision:
+        """The request's placement, once there is one (the reaper fails a queued request
+        at its queue deadline by failing `flight.admitted`)."""
+        req = flight.request
+        flight.route_req = RouteRequest(
+            request_id=req.request_id,
+            block_hashes=self.workers.block_hashes(req.namespace, req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids), tenant=req.tenant, disagg=req.disagg)
+        # Strict FIFO: while others wait, a newcomer queues behind them.
+        decision = None if len(self.queue) else self.claim(flight)
+        if decision is None:
+            if not self.queue.offer(flight):
+                self.metrics.admission_rejections.labels("429").inc()
+                raise AdmissionRejected(
+                    f"server overloaded: {len(self.queue)} requests already queued",
+                    retry_after_s=self.router.retry_after_s(len(self.queue)))
+            flight.admitted = asyncio.get_running_loop().create_future()
+            try:
+                decision = await flight.admitted
+            finally:
+                self.queue.remove(flight)
+        return decision
+
+    def claim(self, flight: Flight) -> RouteDecision | None:
+        """Routes the request and, when placed, books it on its workers at once."""
+        assert flight.route_req is not None
+        t0 = time.perf_counter()
+        decision = self.router.route(flight.route_req)
+        self.metrics.router_seconds.observe(time.perf_counter() - t0)
+        if decision is None:
+            return None
+        self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
+        self._book(flight, decision)
+        if flight.attempt == 0:
+            flight.expected_hit = decision.num_cached_tokens
+        for worker_id, hashes in self.router.take_evictions().items():
+            worker = self.workers.table.by_id.get(worker_id)
+            if worker is not None and hashes:
+                self.link.send(worker.identity, P.EvictBlocks(hashes))
+        return decision
+
+    def admit_queued(self) -> None:
+        if not len(self.queue):
+            return
+        for flight, decision in self.queue.pop_ready(self.claim):
+            if flight.admitted is not None and not flight.admitted.done():
+                flight.admitted.set_result(decision)
+
+    def any_decoder(self, flight: Flight) -> RouteDecision | None:
+        """A retry does not queue behind new arrivals: when the router finds no placement
+        within budget, the least busy decode-capable worker prefills and decodes."""
+        workers = self.workers.decoders()
+        if not workers:
+            return None
+        worker = min(workers, key=lambda w: len(w.request_ids))
+        decision = RouteDecision(worker.worker_id, None, RouteReason.FORCED_LOCAL, 0.0, 0)
+        self._book(flight, decision)
+        return decision
+
+    def _book(self, flight: Flight, decision: RouteDecision) -> None:
+        assert flight.route_req is not None
+        self.router.on_dispatched(decision, flight.route_req)
+        flight.decision = decision
