@@ -34,7 +34,7 @@ from splitserve.cluster.frontend.admin import ClusterAdmin
 from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
-from splitserve.cluster.frontend.placement import Placement
+from splitserve.cluster.frontend.routing import Routing
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy, stale_hashes
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.frontend.workers import Workers
@@ -68,7 +68,7 @@ class Dispatcher:
         self.workers = Workers(router, self.link, self.metrics)
         self.table = self.workers.table
         self.flights = FlightTable()
-        self.placement = Placement(router, self.workers, self.link, self.metrics, max_queue_len)
+        self.routing = Routing(router, self.workers, self.link, self.metrics, max_queue_len)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
         self._tasks: list[asyncio.Task[None]] = []
@@ -136,7 +136,7 @@ class Dispatcher:
         return flight
 
     async def _place(self, flight: Flight) -> None:
-        decision = await self.placement.place(flight)
+        decision = await self.routing.place(flight)
         flight.dispatched_at = time.monotonic()
         self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
         flight.advance(FlightState.PREFILL, flight.dispatched_at, self.deadlines)
@@ -182,7 +182,7 @@ class Dispatcher:
         self.flights.remove(flight)
         self.metrics.observe_finished(flight, outcome.value, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
-        self.placement.admit_queued()
+        self.routing.admit_queued()
 
     # -- failures -------------------------------------------------------------------------------
     def fail_attempt(self, flight: Flight, kind: FailureKind, error: SplitserveError) -> None:
@@ -205,7 +205,7 @@ class Dispatcher:
         self.metrics.retries.labels(kind.value).inc()
         if flight.resumed:
             self.metrics.migrations.inc()
-        decision = self.placement.claim(flight) or self.placement.any_decoder(flight)
+        decision = self.routing.claim(flight) or self.routing.any_decoder(flight)
         if decision is None:
             if not self.retry.wait_for_restarts:
                 return False
@@ -226,7 +226,7 @@ class Dispatcher:
         for flight in stranded:
             if self.flights.attempt(flight.attempt_id) is not flight:
                 continue
-            decision = self.placement.claim(flight) or self.placement.any_decoder(flight)
+            decision = self.routing.claim(flight) or self.routing.any_decoder(flight)
             if decision is None:
                 self.flights.stranded.append(flight)
             else:
@@ -285,7 +285,7 @@ class Dispatcher:
             self._on_failed(worker, msg)
         elif isinstance(msg, P.LoadReport):
             self.workers.observe_load(worker, msg)
-            self.placement.admit_queued()
+            self.routing.admit_queued()
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
                 self.link.send(identity, P.ResyncKV())
@@ -309,7 +309,7 @@ class Dispatcher:
         replaced = self.workers.join(identity, msg)
         self._orphan(replaced, f"worker {msg.worker_id} was replaced by a new incarnation")
         self._place_stranded()
-        self.placement.admit_queued()
+        self.routing.admit_queued()
 
     def _current(self, worker: WorkerInfo, request_id: str) -> Flight | None:
         """The live flight whose current attempt is `request_id` on this worker; None for
@@ -403,7 +403,7 @@ class Dispatcher:
 
     def health(self) -> dict[str, object]:
         return {"workers": self.workers.health(), "in_flight": len(self.flights),
-                "queued": len(self.placement.queue)}
+                "queued": len(self.routing.queue)}
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()

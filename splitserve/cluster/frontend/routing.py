@@ -24,7 +24,7 @@ from splitserve.cluster.router.router import Router
 from splitserve.errors import AdmissionRejected
 
 
-class Placement:
+class Routing:
     def __init__(self, router: Router, workers: Workers, link: WorkerLink, metrics: Metrics,
                  max_queue_len: int) -> None:
         self.router, self.workers, self.link, self.metrics = router, workers, link, metrics
