@@ -110,7 +110,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a failed KV transfer: the decode worker recomputes (default), the "
                    "frontend retries with a new transfer, or the request fails")
     p.add_argument("--max-retries", type=int,
-                   help="attempts after the first when a worker or transfer fails (2)")
+                   help="retries in a row, before the request decodes again, when a worker or "
+                        "transfer fails (2)")
     p.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=None,
                    help="start a worker process again when it exits (default: yes)")
     p.add_argument("--enable-fault-injection", action="store_const", const=True,

@@ -110,7 +110,7 @@ class ServeConfig:
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"
     # (a new attempt with a new transfer) or "fail" (the client gets an error).
     kv_failure_policy: str = "recompute"
-    max_retries: int = 2  # attempts after the first, per request (DESIGN 7)
+    max_retries: int = 2  # retries in a row before a request decodes again (DESIGN 7)
     restart_workers: bool = True  # a worker process that exits is started again (new epoch)
     enable_fault_injection: bool = False  # POST /admin/faults (tests, chaos, soak)
     max_queue_len: int = 256  # admission queue; beyond it 429

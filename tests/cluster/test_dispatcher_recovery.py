@@ -16,7 +16,7 @@ from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.flight import FlightState
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.config import DeadlineConfig
-from splitserve.errors import WorkerFailed
+from splitserve.errors import RequestTimeout, WorkerFailed
 from tests.cluster.test_dispatcher import (PLAN, ScriptedWorker, collect, output, request,
                                            run, workers)
 
@@ -159,4 +159,98 @@ def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
         assert b"splitserve_retries_total" not in d.metrics_text().replace(
             b"# HELP splitserve_retries_total", b"").replace(
             b"# TYPE splitserve_retries_total", b"")
+    run(scenario, policy="always")
+
+
+def test_the_retry_budget_counts_the_retries_since_the_request_last_decoded() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        tokens: list[int] = []
+        for attempt in ("r1", "r1#1"):  # each decodes a token, then its worker fails it
+            gen = await w.expect(P.Generate)
+            assert gen.request_id == attempt and gen.resume_token_ids == tokens
+            tokens.append(len(tokens) + 5)
+            await w.send(output(attempt, 0, tokens, 0, "x" * len(tokens)))
+            await until(lambda: d.flights["r1"].state is FlightState.DECODE)
+            await w.send(P.RequestFailed(attempt, P.FailureKind.WORKER_ERROR, "boom"))
+        # Two failures, one retry allowed: each came after the request recovered.
+        assert (await w.expect(P.Generate)).request_id == "r1#2"
+        await w.send(P.RequestFailed("r1#2", P.FailureKind.WORKER_ERROR, "boom again"))
+        with pytest.raises(WorkerFailed, match="boom again"):  # no decode in between: final
+            await task
+    run(scenario, retry=RetryPolicy(max_retries=1))
+
+
+def test_a_retry_with_no_decode_worker_up_waits_for_a_restarted_one() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await dec.expect(P.Generate)
+        await p.expect(P.Prefill)
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await until(lambda: d.flights["r1"].state is FlightState.HANDOFF)
+        d.mark_dead(dec.sock.getsockopt(zmq.ROUTING_ID), "exited")  # the only decode worker
+        assert (await p.expect(P.Abort)).request_id == "r1"
+        assert d.flights.stranded == [d.flights["r1"]]
+        restarted = ScriptedWorker(ctx, d.address, "decode", epoch=2)
+        await restarted.register()
+        gen = await restarted.expect(P.Generate)  # the retry goes on, remote as before
+        assert gen.request_id == "r1#1" and gen.await_kv and gen.resume_token_ids == [5]
+        assert (await p.expect(P.Prefill)).request_id == "r1#1"
+        await restarted.send(output("r1#1", 1, [6], 1, "y", finished=True))
+        assert [x.token_ids for x in await task] == [[5], [6]]
+    run(scenario, policy="always", retry=RetryPolicy(wait_for_restarts=True))
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_a_request_arriving_with_no_decode_worker_up(restarts: bool) -> None:
+    """With restarts it waits for a restarted decode worker within its queue deadline, as
+    when none has room; without, nothing will come back: 503 at once."""
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        from splitserve.errors import AdmissionRejected
+        (w,) = await workers(d, ctx, "both")
+        d.mark_dead(w.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        task = asyncio.create_task(collect(d.generate(request())))
+        if not restarts:
+            with pytest.raises(AdmissionRejected) as err:
+                await task
+            assert err.value.status_code == 503
+            return
+        await until(lambda: d.health()["queued"] == 1)
+        assert not d.is_ready()  # load balancers steer around meanwhile
+        restarted = ScriptedWorker(ctx, d.address, "both", epoch=2)
+        await restarted.register()
+        assert (await restarted.expect(P.Generate)).request_id == "r1"
+        await restarted.send(output("r1", 0, [7], 0, "a", finished=True))
+        assert [x.token_ids for x in await task] == [[7]]
+    run(scenario, retry=RetryPolicy(wait_for_restarts=restarts))
+
+
+def test_a_request_waiting_for_a_decode_worker_times_out_in_the_queue() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        d.mark_dead(w.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        with pytest.raises(RequestTimeout, match="none was up") as err:
+            await collect(d.generate(request()))
+        assert err.value.stage == "queue"
+    run(scenario, DeadlineConfig(queue_timeout_s=0.3), retry=RetryPolicy(wait_for_restarts=True))
+
+
+def test_the_decode_workers_token_2_may_come_before_the_prefill_workers_token_1() -> None:
+    """P's token 1 and D's token 2 travel on different connections: D's may come first
+    (a busy frontend reads its sockets round-robin). It waits for token 1, not a failure."""
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await dec.expect(P.Generate)
+        await p.expect(P.Prefill)
+        await dec.send(output("r1", 1, [6], 0, "xy"))  # D committed the KV: token 2 on
+        await until(lambda: bool(d.flights["r1"].held))
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await dec.send(output("r1", 2, [9], 2, "z", finished=True))
+        deltas = await task
+        assert [x.token_ids for x in deltas] == [[5], [6], [9]]
+        assert "".join(x.text for x in deltas) == "xyz"
+        assert b"splitserve_failures_total{" not in d.metrics_text()
     run(scenario, policy="always")

@@ -1,9 +1,11 @@
 """Chaos: concurrent streaming requests while workers are killed (and restarted) and KV
-transfers are corrupted at random, from a seeded schedule. Afterwards every request either
-completed with exactly the offline engine's output or failed with an explicit error: zero
-hung, zero corrupted, zero leaked blocks. Workers and the offline reference run the default
-dtype (bf16) with the exact kernels (one thread per worker, two offline), so "exactly"
-means bit for bit, greedy and seeded, after retries and migrations."""
+transfers are corrupted at random, from a seeded schedule. Afterwards every request has
+completed with exactly the offline engine's output: zero failed, zero hung, zero
+corrupted, zero leaked blocks. Recovery absorbs the whole schedule (retries, migrations,
+waits for restarted workers) instead of giving requests up. Workers and the offline
+reference run the default dtype (bf16) with the exact kernels (one thread per worker, two
+offline), so "exactly" means bit for bit, greedy and seeded, after retries and
+migrations."""
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +61,7 @@ def test_chaos(chaos_cluster: Any) -> None:
             stream = await c.completions.create(model=name, prompt=prompt, stream=True,
                                                 extra_body={"ignore_eos": True}, **sampling)
             text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-        except openai.APIError as exc:  # an explicit error is an allowed outcome
+        except openai.APIError as exc:  # reported below: recovery gave the request up
             return "failed", f"{type(exc).__name__}: {exc}"
         return ("completed" if text == reference[i] else "corrupted"), text
 
@@ -104,8 +106,7 @@ def test_chaos(chaos_cluster: Any) -> None:
           f"hung {counts['hung']}, corrupted {counts['corrupted']}, leaked blocks: {leaked} "
           f"({time.monotonic() - start:.0f} s)")
     for (outcome, detail), (prompt, sampling) in zip(results, requests):
-        if outcome == "failed":
-            print(f"  failed: {prompt!r} {sampling}: {detail}")
-    assert counts["hung"] == 0 and counts["corrupted"] == 0, results
+        if outcome != "completed":
+            print(f"  {outcome}: {prompt!r} {sampling}: {detail!r}")
+    assert counts["completed"] == NUM_REQUESTS, results
     assert leaked == "none", leaked
-    assert counts["completed"] >= NUM_REQUESTS // 2, results  # recovery, not mass failure

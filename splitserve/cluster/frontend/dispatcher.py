@@ -120,7 +120,11 @@ class Dispatcher:
             self._retire(flight, outcome)
 
     def _admit(self, request: GenerateRequest) -> Flight:
-        if not self.workers.decoders():
+        """A new request's flight. With no decode worker up it is refused (503) unless
+        workers are restarted: then, as when none has room, it waits in the admission queue
+        for a restarted one, within its queue deadline, instead of failing for a gap of a
+        few seconds (`/ready` says 503 meanwhile, for load balancers to steer around)."""
+        if not self.workers.decoders() and not self.retry.wait_for_restarts:
             self.metrics.admission_rejections.labels("503").inc()
             raise AdmissionRejected("no decode worker is up", retry_after_s=5.0,
                                     status_code=503)
@@ -341,6 +345,22 @@ class Dispatcher:
         flight = self._current(worker, msg.request_id)
         if flight is None:
             return
+        from_prefill = worker.identity == flight.prefill_worker
+        if flight.prefill_worker is not None and not from_prefill and flight.merger.is_ahead(msg):
+            # D streams token 2 once P's KV, which carries token 1, landed; P's Output with
+            # token 1 travels on another connection and may be read second.
+            flight.held.append((worker.identity, msg))
+            return
+        self._merge(flight, worker, msg, from_prefill)
+        if from_prefill and flight.held:
+            held, flight.held = flight.held, []
+            for identity, early in held:
+                decode = self.table.get(identity)
+                if decode is not None:
+                    self._on_output(decode, early)
+
+    def _merge(self, flight: Flight, worker: WorkerInfo, msg: P.Output,
+               from_prefill: bool) -> None:
         if msg.finished:
             flight.done_workers.add(worker.identity)
         if flight.expected_hit is not None and worker.identity == self._prefiller(flight):
@@ -357,7 +377,6 @@ class Dispatcher:
             if flight.first_token_at is None:
                 flight.first_token_at = now
             flight.last_token_at = now
-            from_prefill = worker.identity == flight.prefill_worker
             flight.advance(FlightState.HANDOFF if from_prefill else FlightState.DECODE, now,
                            self.deadlines)
         if delta is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta, StreamMerger
-from splitserve.cluster.protocol import FailureKind
+from splitserve.cluster.protocol import FailureKind, Output
 from splitserve.cluster.router.placement import RouteDecision, RouteRequest
 from splitserve.config import DeadlineConfig
 from splitserve.errors import InvalidRequestError, RequestTimeout
@@ -57,6 +57,8 @@ class Flight:
     queue: asyncio.Queue[StreamDelta | BaseException] = field(default_factory=asyncio.Queue)
     merger: StreamMerger = field(default_factory=StreamMerger)
     attempt: int = 0
+    # Retries since the request last got to DECODE: what the retry budget counts (recovery.py).
+    num_retries: int = 0
     resumed: list[int] = field(default_factory=list)  # tokens the current attempt resumes
     # Prompt tokens the router expected the prefilling worker to have cached; compared with
     # the real hit on its first output, then None (cluster/frontend/recovery.py).
@@ -67,6 +69,9 @@ class Flight:
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
     done_workers: set[bytes] = field(default_factory=set)  # hold nothing for it any more
     prefill_worker: bytes | None = None
+    # The decode worker's outputs that came before the prefill worker's token 1 (they
+    # travel apart), by sender identity, merged once token 1 is (dispatcher._on_output).
+    held: list[tuple[bytes, Output]] = field(default_factory=list)
     dispatched_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -89,8 +94,11 @@ class Flight:
         return not (identity == self.prefill_worker and self.state >= FlightState.DECODE)
 
     def advance(self, state: FlightState, now: float, deadlines: DeadlineConfig) -> None:
-        """Moves to PREFILL, HANDOFF or DECODE and arms that stage's timeout."""
+        """Moves to PREFILL, HANDOFF or DECODE and arms that stage's timeout. Decoding
+        means the recovery so far worked: the retry budget starts over."""
         self.state = state
+        if state is FlightState.DECODE:
+            self.num_retries = 0
         timeout = {FlightState.PREFILL: deadlines.prefill_timeout_s,
                    FlightState.HANDOFF: deadlines.kv_timeout_s + deadlines.decode_step_timeout_s,
                    FlightState.DECODE: deadlines.decode_step_timeout_s}[state]
@@ -99,9 +107,11 @@ class Flight:
     def next_attempt(self, now: float, deadlines: DeadlineConfig) -> str:
         """Forgets the current attempt's workers; returns the new attempt's id."""
         self.attempt += 1
+        self.num_retries += 1
         self.resumed = list(self.merger.token_ids)
         self.workers.clear()
         self.done_workers.clear()
+        self.held.clear()
         self.prefill_worker = self.decision = None
         self.expected_hit = None  # resumed attempts' hits are not the router's prediction
         self.advance(FlightState.PREFILL, now, deadlines)  # until it streams a new token
@@ -118,8 +128,8 @@ class Flight:
         if self.state is FlightState.QUEUED:
             if now < self.stage_deadline or self.admitted is None or self.admitted.done():
                 return None
-            message = (f"no worker had room for {now - self.arrival:.1f} s (queue timeout "
-                       f"{queue_timeout_s:g} s or the request deadline)")
+            message = (f"no worker had room, or none was up, for {now - self.arrival:.1f} s "
+                       f"(queue timeout {queue_timeout_s:g} s or the request deadline)")
             return FailureKind.TIMEOUT_QUEUE, RequestTimeout(message, stage="queue")
         if now >= self.deadline:
             self.stage_deadline = self.deadline = math.inf

@@ -5,7 +5,8 @@ A request runs as one attempt at a time (frontend/flight.py). When an attempt fa
 dispatcher asks `RetryPolicy.should_retry`; a retry starts a new attempt on other workers
 under a new id, resuming from the tokens already merged (the engine replays prompt + those
 tokens and samples on exactly as the unbroken run would); with no decode worker up, it
-waits (within its stage deadline) for a restarted one when `wait_for_restarts`.
+waits (within its stage deadline) for a restarted one when `wait_for_restarts`. The retry
+budget counts the retries since the request last decoded (`should_retry`).
 
     failure (FailureKind)                    retried?
     worker_dead: died, went silent           yes: resume on other workers
@@ -41,8 +42,9 @@ class KVFailurePolicy(str, Enum):
 class RetryPolicy:
     max_retries: int = 2
     kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
-    # With no worker to resume on, a retry waits (within its stage deadline) for a
-    # restarted one instead of failing at once; set when workers are restarted.
+    # With no decode worker up, a retry waits (within its stage deadline) for a restarted
+    # one, and so does a new request (in the admission queue, within its queue deadline),
+    # instead of failing at once; set when workers are restarted.
     wait_for_restarts: bool = False
 
     def is_retryable(self, kind: FailureKind) -> bool:
@@ -52,8 +54,14 @@ class RetryPolicy:
 
     def should_retry(self, flight: Flight, kind: FailureKind, now: float) -> bool:
         """Whether the failed attempt gets a successor: a retryable failure, retry budget
-        left, the request dispatched (a queued one has no attempt) and within its deadline."""
-        return (self.is_retryable(kind) and flight.attempt < self.max_retries
+        left, the request dispatched (a queued one has no attempt) and within its deadline.
+
+        The budget is `max_retries` in a row before the request decodes again
+        (`Flight.num_retries`): it stops a request that cannot get going (a poison
+        prompt, a transfer path that always fails), not one that met several unrelated
+        failures in a long life and recovered from each. Each fresh start costs a new
+        token, so `max_tokens` and the request deadline still bound the whole."""
+        return (self.is_retryable(kind) and flight.num_retries < self.max_retries
                 and FlightState.PREFILL <= flight.state < FlightState.FINISHED
                 and now < flight.deadline)
 

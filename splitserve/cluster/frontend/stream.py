@@ -60,10 +60,14 @@ class StreamMerger:
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
+    def is_ahead(self, out: Output) -> bool:
+        """Whether `out` starts past the stream: positions before it are missing."""
+        return out.token_offset > self.num_tokens or out.text_offset > self.num_chars
+
     def merge(self, out: Output) -> StreamDelta | None:
         """The new part of `out`, or None when it adds nothing (a replayed or stale output)."""
         assert not self.finished, "a finished stream takes no more outputs"
-        if out.token_offset > self.num_tokens or out.text_offset > self.num_chars:
+        if self.is_ahead(out):
             raise ValueError(f"output starts at token {out.token_offset} / char "
                              f"{out.text_offset}, past the stream's {self.num_tokens} / "
                              f"{self.num_chars}: a gap")
