@@ -120,10 +120,8 @@ class Dispatcher:
             self._retire(flight, outcome)
 
     def _admit(self, request: GenerateRequest) -> Flight:
-        """A new request's flight. With no decode worker up it is refused (503) unless
-        workers are restarted: then, as when none has room, it waits in the admission queue
-        for a restarted one, within its queue deadline, instead of failing for a gap of a
-        few seconds (`/ready` says 503 meanwhile, for load balancers to steer around)."""
+        """A new request's flight. No decode worker up: 503, unless workers are restarted;
+        then it waits for one in the admission queue, as when none has room."""
         if not self.workers.decoders() and not self.retry.wait_for_restarts:
             self.metrics.admission_rejections.labels("503").inc()
             raise AdmissionRejected("no decode worker is up", retry_after_s=5.0,
@@ -343,24 +341,8 @@ class Dispatcher:
 
     def _on_output(self, worker: WorkerInfo, msg: P.Output) -> None:
         flight = self._current(worker, msg.request_id)
-        if flight is None:
+        if flight is None or flight.hold(worker.identity, msg):
             return
-        from_prefill = worker.identity == flight.prefill_worker
-        if flight.prefill_worker is not None and not from_prefill and flight.merger.is_ahead(msg):
-            # D streams token 2 once P's KV, which carries token 1, landed; P's Output with
-            # token 1 travels on another connection and may be read second.
-            flight.held.append((worker.identity, msg))
-            return
-        self._merge(flight, worker, msg, from_prefill)
-        if from_prefill and flight.held:
-            held, flight.held = flight.held, []
-            for identity, early in held:
-                decode = self.table.get(identity)
-                if decode is not None:
-                    self._on_output(decode, early)
-
-    def _merge(self, flight: Flight, worker: WorkerInfo, msg: P.Output,
-               from_prefill: bool) -> None:
         if msg.finished:
             flight.done_workers.add(worker.identity)
         if flight.expected_hit is not None and worker.identity == self._prefiller(flight):
@@ -372,6 +354,7 @@ class Dispatcher:
                               WorkerFailed(f"{worker.worker_id}: {exc}"))
             return
         now = time.monotonic()
+        from_prefill = worker.identity == flight.prefill_worker
         if delta is not None and delta.token_ids:
             self.metrics.observe_tokens(flight, len(delta.token_ids), now)
             if flight.first_token_at is None:
@@ -383,6 +366,12 @@ class Dispatcher:
             if delta.finished:
                 flight.state = FlightState.FINISHED
             flight.queue.put_nowait(delta)
+        if from_prefill and flight.held:  # token 1 is in: the decode worker's outputs go on
+            held, flight.held = flight.held, []
+            for identity, early in held:
+                decode = self.table.get(identity)
+                if decode is not None:
+                    self._on_output(decode, early)
 
     def _prefiller(self, flight: Flight) -> bytes | None:
         if flight.prefill_worker is not None:

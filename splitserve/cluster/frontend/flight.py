@@ -69,8 +69,7 @@ class Flight:
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
     done_workers: set[bytes] = field(default_factory=set)  # hold nothing for it any more
     prefill_worker: bytes | None = None
-    # The decode worker's outputs that came before the prefill worker's token 1 (they
-    # travel apart), by sender identity, merged once token 1 is (dispatcher._on_output).
+    # The decode worker's outputs that came before the prefill worker's token 1 (`hold`).
     held: list[tuple[bytes, Output]] = field(default_factory=list)
     dispatched_at: float | None = None
     first_token_at: float | None = None
@@ -92,6 +91,16 @@ class Flight:
         if identity in self.done_workers:
             return False
         return not (identity == self.prefill_worker and self.state >= FlightState.DECODE)
+
+    def hold(self, identity: bytes, out: Output) -> bool:
+        """Keeps a decode worker's output that starts past the stream while the prefill
+        worker's token 1 is on its way: D streams token 2 once P's KV, which carries token
+        1, landed, but P's Output with token 1 travels on another connection and may be
+        read second. True when kept (in `held`, until token 1 is merged)."""
+        if self.prefill_worker in (None, identity) or not self.merger.is_ahead(out):
+            return False
+        self.held.append((identity, out))
+        return True
 
     def advance(self, state: FlightState, now: float, deadlines: DeadlineConfig) -> None:
         """Moves to PREFILL, HANDOFF or DECODE and arms that stage's timeout. Decoding
