@@ -1,6 +1,6 @@
 """Operator routes beside the OpenAI API:
 
-    POST /admin/faults   arm a fault on a worker (cluster/faults.py); 403 unless the server
+    POST /admin/faults   arm a fault on a worker (cluster/worker/faults.py); 403 unless the server
                          runs with --enable-fault-injection
     GET  /admin/pools    every live worker checks its KV pool's invariants and says what
                          it holds (after traffic stops: no used blocks, no requests)
@@ -16,7 +16,7 @@ from splitserve.api.backend import Backend
 
 
 class FaultRequest(BaseModel):
-    """A FaultSpec (cluster/faults.py) and the worker to arm it on, e.g. `decode-0`."""
+    """A FaultSpec (cluster/protocol.py) and the worker to arm it on, e.g. `decode-0`."""
     model_config = ConfigDict(extra="forbid")
     worker: str
     kind: str

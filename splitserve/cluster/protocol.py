@@ -85,7 +85,8 @@ class FailureKind(str, Enum):
 #     stall           decode | now                                the loop sleeps `seconds`: no
 #                                                                 heartbeat, no output (a partition)
 #     drop_kv         transfer                                    the KV is never sent
-#     corrupt_kv      transfer                                    one byte of the KV flips on the wire
+#     corrupt_kv      transfer                                    one byte of the KV flips on
+#                                                                 the wire
 #     delay_kv        transfer                                    the send starts `seconds` late
 #     drop_kv_events  events                                      KV events are lost (no seq gap)
 #     forget_cache    now                                         the prefix cache is emptied and

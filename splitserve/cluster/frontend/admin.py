@@ -1,5 +1,5 @@
 """Operator actions on the cluster, behind the admin routes (api/admin.py): arm a fault
-on a worker (cluster/faults.py; refused unless enabled) and check every worker's KV pool."""
+on a worker (protocol.FaultSpec; refused unless enabled) and check every worker's KV pool."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,7 @@ class ClusterAdmin:
         self._pool_reports: dict[bytes, asyncio.Future[P.PoolReport]] = {}
 
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> FaultSpec:
-        """Arms a fault on a worker (cluster/faults.py); refused unless enabled."""
+        """Arms a fault on a worker (cluster/worker/faults.py); refused unless enabled."""
         if not self.enabled:
             raise PermissionError("fault injection is disabled; start the server with "
                                   "--enable-fault-injection")

@@ -160,7 +160,7 @@ class Worker:
         self._send(P.PoolReport(error is None, error, self.engine.load().kv_blocks_used,
                                 len(self.engine.request_ids())))
 
-    # -- fault injection (cluster/faults.py; off unless the spec enables it) --------------------
+    # -- fault injection (worker/faults.py; off unless the spec enables it) ---------------------
     def _inject(self, fault: FaultSpec | None, rid: str | None = None) -> bool:
         """Acts out a fired fault; True when the request `rid` must not go on here."""
         if fault is None:
