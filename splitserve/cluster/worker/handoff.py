@@ -76,6 +76,7 @@ class Handoffs:
         if pending is None or pending.sending:
             return False
         del self._pending[request_id]
+        self.sender.cancel(request_id)  # as in expire
         return True
 
     def expire(self, now: float) -> list[str]:
@@ -86,6 +87,7 @@ class Handoffs:
             logger.warning("no KV plan for request %s within its deadline; releasing its KV",
                            rid)
             del self._pending[rid]
+            self.sender.cancel(rid)  # no transfer to stop; drops a fault armed for one
             self.engine.release_kv(rid)
         return expired
 
