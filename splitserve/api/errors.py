@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.api.request_id import current_request_id, logger
+from splitserve.api.request_id import current_label, logger
 from splitserve.api.schemas import ErrorInfo, ErrorResponse
 from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTimeout,
                                WorkerFailed)
@@ -86,7 +86,7 @@ def api_error(exc: BaseException) -> ApiError:
     error = _classify(exc)
     if error is None:
         logger.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        return ApiError(500, f"internal server error (request {current_request_id()}); "
+        return ApiError(500, f"internal server error (request {current_label()}); "
                              "the server log has the details")
     level = logging.INFO if error.status < 500 else logging.WARNING
     logger.log(level, "%d %s%s: %s", error.status, error.type,

@@ -5,15 +5,15 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.api.errors import api_error
-from splitserve.api.request_id import (MAX_REQUEST_ID_LEN, is_valid_request_id, logger,
-                                       new_request_id, request_id_var)
+from splitserve.api.request_id import (MAX_REQUEST_ID_LEN, is_valid_request_id, label_var,
+                                       logger, new_request_id, request_id_var)
 from splitserve.errors import InvalidRequestError
 
 
 class RequestIdMiddleware:
-    """Gives each request its id (the client's valid `X-Request-Id`, else a fresh one),
-    sets it for logging while the request is served, and returns it as `X-Request-Id` on
-    every response, errors included.
+    """Gives each request a server-made id and a label (the client's valid `X-Request-Id`,
+    else that id), sets both while the request is served, and returns the label as
+    `X-Request-Id` on every response, errors included (api/request_id.py).
 
     It runs inside Starlette's ServerErrorMiddleware, so it also turns an exception no
     handler took into a 500 (with the id header, which ServerErrorMiddleware would drop).
@@ -28,15 +28,18 @@ class RequestIdMiddleware:
             return
         given = Headers(scope=scope).get("x-request-id")
         valid = given is not None and is_valid_request_id(given)
-        request_id = given if given is not None and valid else new_request_id(scope["path"])
-        token = request_id_var.set(request_id)
+        request_id = new_request_id(scope["path"])
+        label = given if given is not None and valid else request_id
+        token, label_token = request_id_var.set(request_id), label_var.set(label)
+        if label != request_id:
+            logger.info("request %s (the client's X-Request-Id)", request_id)
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+                MutableHeaders(scope=message)["X-Request-Id"] = label
             await send(message)
 
         try:
@@ -52,3 +55,4 @@ class RequestIdMiddleware:
             await api_error(exc).response()(scope, receive, send_with_id)
         finally:
             request_id_var.reset(token)
+            label_var.reset(label_token)

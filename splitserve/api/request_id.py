@@ -1,9 +1,15 @@
-"""Request ids: taken from `X-Request-Id` or generated, and stamped on every log line.
+"""Request ids: the server makes every request's id; a client's `X-Request-Id` is a label.
 
-The id of the request being served lives in a contextvar, set by the middleware before any
-handler runs; tasks started while serving (streaming, the cluster's own work) copy it, so
-`RequestIdFilter` can put it on every log record made on the request's behalf, uvicorn's
-access lines included.
+The server-made id (`cmpl-<hex>`, ...) is the request's key everywhere inside: the
+response `id`, the cluster's request id and the attempt ids made from it. A client cannot
+choose it, so no client can name another request (or one of its retried attempts). The
+client's `X-Request-Id`, when valid, is only echoed back and stamped on log lines; without
+one the label is the server-made id.
+
+Both live in contextvars, set by the middleware before any handler runs; tasks started
+while serving (streaming, the cluster's own work) copy them, so `RequestIdFilter` can put
+the label on every log record made on the request's behalf, uvicorn's access lines
+included.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any
 MAX_REQUEST_ID_LEN = 128
 
 request_id_var: ContextVar[str | None] = ContextVar("splitserve_request_id", default=None)
+label_var: ContextVar[str | None] = ContextVar("splitserve_request_label", default=None)
 
 # Every module of the HTTP layer logs here, so one filter covers them all.
 logger = logging.getLogger("splitserve.api")
@@ -34,16 +41,21 @@ def is_valid_request_id(value: str) -> bool:
 
 
 def current_request_id() -> str | None:
-    """The id of the request this code runs for, or None outside a request."""
+    """The server-made id of the request this code runs for, or None outside a request."""
     return request_id_var.get()
 
 
+def current_label() -> str | None:
+    """What the client calls the request (its X-Request-Id, else the server-made id)."""
+    return label_var.get()
+
+
 class RequestIdFilter(logging.Filter):
-    """Sets `record.request_id` to the current request's id (`-` outside a request)."""
+    """Sets `record.request_id` to the current request's label (`-` outside a request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "request_id"):
-            record.request_id = request_id_var.get() or "-"
+            record.request_id = label_var.get() or "-"
         return True
 
 

@@ -9,20 +9,36 @@ import pytest
 
 from fake_backend import FakeBackend
 from splitserve.api.request_id import (RequestIdFilter, is_valid_request_id, log_config,
-                                       new_request_id, request_id_var)
+                                       label_var, new_request_id)
 
 CHAT = [{"role": "user", "content": "Hi!"}]
 
 
-def test_client_id_is_the_request_and_response_id(client: openai.OpenAI,
-                                                  fake: FakeBackend) -> None:
+def test_client_id_is_a_label_the_server_makes_the_id(client: openai.OpenAI,
+                                                       fake: FakeBackend) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model="smollm2", messages=CHAT, extra_headers={"X-Request-Id": "trace-42"})
-    assert raw.headers["x-request-id"] == "trace-42"
-    assert raw.parse().id == "trace-42" == fake.last.request_id
+    assert raw.headers["x-request-id"] == "trace-42"  # echoed
+    internal = raw.parse().id
+    assert internal.startswith("chatcmpl-") and internal == fake.last.request_id
     chunks = list(client.completions.create(model="smollm2", prompt="Hi", stream=True,
                                             extra_headers={"X-Request-Id": "trace-43"}))
-    assert {c.id for c in chunks} == {"trace-43"} and fake.last.request_id == "trace-43"
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id == fake.last.request_id
+    assert chunks[0].id.startswith("cmpl-")
+
+
+def test_a_client_cannot_name_another_request(client: openai.OpenAI,
+                                              fake: FakeBackend) -> None:
+    """Two clients sending the same X-Request-Id, even one shaped like an attempt id of
+    the other's request, get two distinct requests inside."""
+    first = client.chat.completions.with_raw_response.create(
+        model="smollm2", messages=CHAT, extra_headers={"X-Request-Id": "victim"})
+    victim = first.parse().id
+    for label in ("victim", f"{victim}#1", victim):
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=CHAT, extra_headers={"X-Request-Id": label})
+        assert raw.headers["x-request-id"] == label
+        assert raw.parse().id != victim and fake.last.request_id == raw.parse().id
 
 
 def test_generated_ids_have_openai_prefixes(http: httpx2.Client, fake: FakeBackend) -> None:
@@ -76,8 +92,8 @@ def test_failed_request_log_line_carries_its_id(client: openai.OpenAI,
             client.completions.create(model="nope", prompt="Hi",
                                       extra_headers={"X-Request-Id": "logged-2"})
     lines = [r for r in caplog.records if r.name == "splitserve.api"]
-    assert [getattr(r, "request_id") for r in lines] == ["logged-2"]
-    assert "404 NotFoundError" in lines[0].getMessage()
+    assert {getattr(r, "request_id") for r in lines} == {"logged-2"}
+    assert sum("404 NotFoundError" in r.getMessage() for r in lines) == 1
 
 
 def test_log_config_formats_the_id() -> None:
@@ -87,11 +103,11 @@ def test_log_config_formats_the_id() -> None:
     assert config["filters"]["request_id"]["()"] is RequestIdFilter
     formatter = logging.Formatter(config["formatters"]["default"]["format"])
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "GET /x", None, None)
-    token = request_id_var.set("chatcmpl-abc")
+    token = label_var.set("chatcmpl-abc")
     try:
         RequestIdFilter().filter(record)
     finally:
-        request_id_var.reset(token)
+        label_var.reset(token)
     assert "[chatcmpl-abc] GET /x" in formatter.format(record)
     outside = logging.LogRecord("x", logging.INFO, __file__, 1, "idle", None, None)
     RequestIdFilter().filter(outside)
