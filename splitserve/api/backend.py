@@ -18,6 +18,7 @@ class ModelInfo:
     served_model_names: list[str]  # the first is the one /v1/models lists first
     tokenizer: Tokenizer
     max_model_len: int
+    vocab_size: int  # token ids a client sends must be below it
     created: int  # unix time the server started
 
 

@@ -17,7 +17,7 @@ from splitserve.api.schemas import (ChatCompletionRequest, ChatMessage, Completi
                                     SamplingFields)
 from splitserve.cluster.frontend.stream import GenerateRequest
 from splitserve.cluster.router.config import DisaggPolicy
-from splitserve.engine.sampling_params import SamplingParams, check_length
+from splitserve.engine.sampling_params import SamplingParams, check_length, check_token_ids
 from splitserve.errors import InvalidRequestError
 from splitserve.model.tokenizer import Tokenizer
 
@@ -53,6 +53,7 @@ def build_completion_request(body: CompletionRequest, request_id: str, tenant: s
                                   field="best_of")
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     prompt_ids = _completion_prompt_ids(body.prompt, info.tokenizer)
+    _check_ids(prompt_ids, params, info)
     check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                            namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
@@ -79,6 +80,7 @@ def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str
                           "prompt": "messages"}):
         params = _sampling_params(body, max_tokens, logprobs)
         prompt_ids = _chat_prompt_ids(body, info.tokenizer)
+        _check_ids(prompt_ids, params, info)
         check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                            namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
@@ -94,6 +96,11 @@ def fields_renamed(names: dict[str, str]) -> Iterator[None]:
         if exc.field not in names:
             raise
         raise InvalidRequestError(str(exc), field=names[exc.field]) from exc
+
+
+def _check_ids(prompt_ids: list[int], params: SamplingParams, info: ModelInfo) -> None:
+    check_token_ids(prompt_ids, info.vocab_size, "prompt")
+    check_token_ids(params.stop_token_ids, info.vocab_size, "stop_token_ids")
 
 
 def _disagg_policy(body: SamplingFields) -> DisaggPolicy | None:

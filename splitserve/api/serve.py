@@ -78,7 +78,8 @@ def model_info(config: ServeConfig, max_model_len: int) -> ModelInfo:
     names = [n for n in (config.served_model_name, config.model, base) if n]
     names = list(dict.fromkeys(names))
     return ModelInfo(served_model_names=names, tokenizer=ckpt.tokenizer,
-                     max_model_len=max_model_len, created=int(time.time()))
+                     max_model_len=max_model_len, vocab_size=ckpt.spec.vocab_size,
+                     created=int(time.time()))
 
 
 async def serve(config: ServeConfig) -> None:

@@ -16,7 +16,7 @@ from splitserve.engine.kv_connector import (KVConnector, KVLayout, KVRange, KVRe
 from splitserve.engine.output import Detokenizer, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
-from splitserve.engine.sampling_params import SamplingParams, check_length
+from splitserve.engine.sampling_params import SamplingParams, check_length, check_token_ids
 from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
@@ -149,6 +149,7 @@ class LLMEngine(KVConnector):
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         resumed = list(resume_token_ids or [])
         self._check_prompt(token_ids + resumed)
+        check_token_ids(params.stop_token_ids, self.spec.vocab_size, "stop_token_ids")
         room = self.context_limit - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         if len(resumed) >= max_tokens:
@@ -178,10 +179,7 @@ class LLMEngine(KVConnector):
         if n == 0:
             raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
         check_length(n, None, self.context_limit)
-        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.spec.vocab_size})", field="prompt")
+        check_token_ids(token_ids, self.spec.vocab_size, "prompt")
 
     def _root(self, namespace: str | None) -> BlockHash:
         if namespace not in self._roots:

@@ -76,6 +76,14 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(message, field=field_name)
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
+    """Token ids a client sent (a prompt, stop_token_ids) must name tokens of the model."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {vocab_size})", field=field)
+
+
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     """The one prompt-length check (the HTTP edge and every engine run it): a prompt must
     leave room for output within `max_model_len`, and an explicit `max_tokens` must fit

@@ -51,7 +51,8 @@ class FakeBackend:
     @classmethod
     def create(cls, tokenizer: Tokenizer) -> FakeBackend:
         info = ModelInfo(served_model_names=list(MODEL_NAMES), tokenizer=tokenizer,
-                         max_model_len=MAX_MODEL_LEN, created=CREATED)
+                         max_model_len=MAX_MODEL_LEN, vocab_size=tokenizer.vocab_size,
+                         created=CREATED)
         return cls(model_info=info, script_ids=tokenizer.encode(SCRIPT))
 
     def reset(self) -> None:

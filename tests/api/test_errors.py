@@ -257,3 +257,18 @@ def test_error_mid_stream_is_one_error_event_then_done(http: httpx2.Client, clie
         list(client.chat.completions.create(model="smollm2", messages=CHAT, stream=True))
     fake.error_at = None
     _still_serving(client)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": [[-5, 1000000000]]}, "prompt"),
+    ({"prompt": [1, 2, 10**9]}, "prompt"),
+    ({"prompt": "Hi", "stop_token_ids": [1000000000], "min_tokens": 1}, "stop_token_ids"),
+    ({"prompt": "Hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_400s(http: Any, fake: Any, body: dict[str, Any],
+                                                   field: str) -> None:
+    """Ids that would index past the embedding or the sampler's logits never get in."""
+    response = http.post("/v1/completions", json={"max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert not fake.requests

@@ -254,13 +254,19 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         (json.dumps({**good, "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({**good, "prompt": "word " * 3000}).encode(), 400, "prompt"),
         (json.dumps({**good, "model": "no-such-model"}).encode(), 404, "model"),
+        # Issue 16: these took workers down (500, then IndexError in the sampler).
+        (json.dumps({**good, "prompt": [[-5, 1000000000]]}).encode(), 400, "prompt"),
+        (json.dumps({**good, "stop_token_ids": [1000000000], "min_tokens": 1}).encode(), 400,
+         "stop_token_ids"),
     ]
+    pids = disagg.worker_pids()
     for body, status, param in cases:
         code, payload = post(disagg, "/v1/completions", body)
         assert code == status, (body[:60], payload)
         assert set(payload["error"]) >= {"message", "type", "code"}, payload
         if param is not None:
             assert payload["error"]["param"] == param, payload
+    assert disagg.worker_pids() == pids
     assert chat(disagg, CHATS["short"]) == reference["short"]
 
 

@@ -175,6 +175,9 @@ def test_bad_prompts_raise_typed_errors(make_llm) -> None:
     assert err.value.field == "prompt"
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         llm.generate([10**9], GREEDY)
+    with pytest.raises(InvalidRequestError, match="vocabulary") as err:  # not an IndexError
+        llm.generate([1, 2], SamplingParams(stop_token_ids=[10**9], min_tokens=1))
+    assert err.value.field == "stop_token_ids"
     # Nothing was left behind by the rejected requests.
     assert not llm.engine.has_unfinished and llm.engine.kv.pool.num_used_blocks == 0
     # max_tokens beyond max_model_len is capped, not an error.
