@@ -51,6 +51,10 @@ class GenerationError(Exception):
     """The backend ended a request with finish_reason "error" or broke the stream contract."""
 
 
+class RequestTooLarge(Exception):
+    """The request body is over the server's limit (413)."""
+
+
 class ClientDisconnected(Exception):
     """The client went away before its response was complete; the generation was aborted."""
 
@@ -98,6 +102,8 @@ def _classify(exc: BaseException) -> ApiError | None:
     """The ApiError for an expected exception, None for anything else."""
     if isinstance(exc, RequestValidationError):
         return _validation_error(exc.errors())
+    if isinstance(exc, RequestTooLarge):
+        return ApiError(413, str(exc))
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, ModelNotFound):

@@ -4,10 +4,13 @@ from __future__ import annotations
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve.api.errors import api_error
+from splitserve.api.errors import RequestTooLarge, api_error
 from splitserve.api.request_id import (MAX_REQUEST_ID_LEN, is_valid_request_id, label_var,
                                        logger, new_request_id, request_id_var)
 from splitserve.errors import InvalidRequestError
+
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a 4 MiB JSON body holds far more than max_model_len
 
 
 class RequestIdMiddleware:
@@ -16,7 +19,9 @@ class RequestIdMiddleware:
     `X-Request-Id` on every response, errors included (api/request_id.py).
 
     It runs inside Starlette's ServerErrorMiddleware, so it also turns an exception no
-    handler took into a 500 (with the id header, which ServerErrorMiddleware would drop).
+    handler took into a 500 (with the id header, which ServerErrorMiddleware would drop),
+    and it refuses a body over MAX_BODY_BYTES with 413 (by Content-Length, or while the
+    body streams in) before anything parses it.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -34,6 +39,15 @@ class RequestIdMiddleware:
         if label != request_id:
             logger.info("request %s (the client's X-Request-Id)", request_id)
         started = False
+        body: bytes | None = None  # read whole (up to the limit) before any handler runs
+
+        async def receive_body() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return message
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
@@ -47,7 +61,8 @@ class RequestIdMiddleware:
                 raise InvalidRequestError(
                     f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable characters; "
                     "send a shorter id or none (the server makes one)", field="X-Request-Id")
-            await self.app(scope, receive, send_with_id)
+            body = await _read_body(scope, receive)
+            await self.app(scope, receive_body, send_with_id)
         except Exception as exc:
             if started:  # too late for an error response: end the connection
                 logger.error("error after the response started", exc_info=exc)
@@ -56,3 +71,30 @@ class RequestIdMiddleware:
         finally:
             request_id_var.reset(token)
             label_var.reset(label_token)
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes:
+    """The whole request body, refused (RequestTooLarge) past MAX_BODY_BYTES: by its
+    Content-Length at once, else as it streams in (FastAPI would turn an error raised while
+    it reads the body into a 400)."""
+    declared = Headers(scope=scope).get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestTooLarge(_too_large(int(declared)))
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: the handler sees it
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestTooLarge(_too_large(size))
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _too_large(num_bytes: int) -> str:
+    return (f"request body of {num_bytes} bytes or more is over the limit of "
+            f"{MAX_BODY_BYTES} bytes")

@@ -2,13 +2,22 @@
 
 Requests ignore unknown fields, as OpenAI and vLLM do. Fields are typed loosely enough to
 accept what the OpenAI clients send (`null` for "default"); value ranges are checked by
-`SamplingParams`, so each limit lives in one place.
+`SamplingParams`, so each limit lives in one place. Sizes are capped here (a 400 naming
+the field): OpenAI's 4 stop sequences and 128 tools, and documented limits where OpenAI has
+none (1,024 characters per stop string, 64 stop token ids, 256-character salts and user names).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
+
+MAX_STOP = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_NAME_CHARS = 256  # cache_salt, user
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 # ---- requests -----------------------------------------------------------------------------
 
@@ -23,24 +32,24 @@ class SamplingFields(BaseModel):
     temperature: float | None = None  # None: 1.0
     top_p: float | None = None
     n: int | None = 1
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # not supported: rejected when non-empty
-    user: str | None = None
+    user: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
     # splitserve extension: this request's `--disagg-policy` ("auto" | "always" | "never");
     # None: the server's.
     disagg: str | None = None
@@ -63,7 +72,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str  # whatever the chat template accepts: system, user, assistant, tool, ...
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -77,7 +86,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    # Rendered by the chat template.
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None  # only "none" / "auto"
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
 

@@ -272,3 +272,38 @@ def test_token_ids_outside_the_vocabulary_are_400s(http: Any, fake: Any, body: d
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
     assert not fake.requests
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
+     "messages.0.role"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": "s" * 257}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function"}] * 129}, "tools"),
+])
+def test_sizes_and_roles_are_capped(http: Any, fake: Any, path: str, body: dict[str, Any],
+                                    param: str) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert not fake.requests
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(http: Any, fake: Any) -> None:
+    from splitserve.api.middleware import MAX_BODY_BYTES
+    big = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1)}).encode()
+    response = http.post("/v1/completions", content=big,
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "RequestEntityTooLargeError"
+
+    def chunks() -> Any:  # no Content-Length: counted as it streams in
+        for _ in range(5):
+            yield b" " * (MAX_BODY_BYTES // 4)
+    response = http.post("/v1/completions", content=chunks(),
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and response.headers["x-request-id"]
+    assert not fake.requests
