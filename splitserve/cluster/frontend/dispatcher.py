@@ -35,7 +35,7 @@ from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable,
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.routing import Routing
-from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy, stale_hashes
+from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.cluster.frontend.workers import Workers
 from splitserve.cluster.frontend.worker_table import WorkerInfo
@@ -345,8 +345,7 @@ class Dispatcher:
             return
         if msg.finished:
             flight.done_workers.add(worker.identity)
-        if flight.expected_hit is not None and worker.identity == self._prefiller(flight):
-            self._check_hit(flight, worker, msg.num_cached_tokens)
+        self.routing.check_hit(flight, worker, msg.num_cached_tokens)
         try:
             delta = flight.merger.merge(msg)
         except ValueError as exc:  # a worker broke the positions contract: never guess
@@ -372,23 +371,6 @@ class Dispatcher:
                 decode = self.table.get(identity)
                 if decode is not None:
                     self._on_output(decode, early)
-
-    def _prefiller(self, flight: Flight) -> bytes | None:
-        if flight.prefill_worker is not None:
-            return flight.prefill_worker
-        decode = None if flight.decision is None else self.table.by_id.get(
-            flight.decision.decode_worker)
-        return None if decode is None else decode.identity
-
-    def _check_hit(self, flight: Flight, worker: WorkerInfo, num_cached: int) -> None:
-        """A routed prefix hit the worker no longer had: drop the index entries the router
-        relied on and ask the worker for a snapshot to reconcile (DESIGN 7)."""
-        stale = stale_hashes(flight, num_cached, self.workers.block_size)
-        flight.expected_hit = None
-        if stale:
-            self.metrics.stale_routes.inc()
-            self.router.invalidate(worker.worker_id, stale)
-            self.link.send(worker.identity, P.ResyncKV())
 
     def _on_failed(self, worker: WorkerInfo, msg: P.RequestFailed) -> None:
         flight = self._current(worker, msg.request_id)

@@ -7,6 +7,7 @@ a burst or of the queue, sees that load).
     claim(flight)     route now or None (what the queue and retries use)
     admit_queued()    capacity may have freed up: place queued requests, oldest first
     any_decoder(...)  a retry's last resort: the least busy decode-capable worker
+    check_hit(...)    the routed prefix hit against the one the worker reports
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.flight import Flight
 from splitserve.cluster.frontend.link import WorkerLink
+from splitserve.cluster.frontend.recovery import stale_hashes
+from splitserve.cluster.frontend.worker_table import WorkerInfo
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.workers import Workers
 from splitserve.cluster.router.admission import AdmissionQueue
@@ -93,3 +96,23 @@ class Routing:
         assert flight.route_req is not None
         self.router.on_dispatched(decision, flight.route_req)
         flight.decision = decision
+
+    def check_hit(self, flight: Flight, worker: WorkerInfo, num_cached: int) -> None:
+        """On the first output of the worker that prefills: if it had less of the prompt
+        cached than the router expected, drop the index entries the router relied on and
+        ask the worker for a snapshot to reconcile (DESIGN 7: a stale directory)."""
+        if flight.expected_hit is None or worker.identity != self._prefiller(flight):
+            return
+        stale = stale_hashes(flight, num_cached, self.workers.block_size)
+        flight.expected_hit = None
+        if stale:
+            self.metrics.stale_routes.inc()
+            self.router.invalidate(worker.worker_id, stale)
+            self.link.send(worker.identity, P.ResyncKV())
+
+    def _prefiller(self, flight: Flight) -> bytes | None:
+        if flight.prefill_worker is not None:
+            return flight.prefill_worker
+        decode = None if flight.decision is None else self.workers.table.by_id.get(
+            flight.decision.decode_worker)
+        return None if decode is None else decode.identity

@@ -1,5 +1,44 @@
+"""The worker process's entry point: `python -m splitserve.cluster.worker '<spec JSON>'`.
+Pins the process to its cores, dies with its parent, runs the Worker until told to stop."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
 import sys
+from dataclasses import replace
 
-from splitserve.cluster.worker.worker import main
+from splitserve.cluster.worker.spec import WorkerSpec
+from splitserve.cluster.worker.worker import Worker
 
-sys.exit(main(sys.argv[1:]))
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    spec = WorkerSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    import setproctitle
+    setproctitle.setproctitle(f"splitserve-{spec.worker_id}")
+    if spec.cpu_cores:
+        os.sched_setaffinity(0, spec.cpu_cores)
+        spec = replace(spec, engine_args={**spec.engine_args,
+                                          "num_threads": len(spec.cpu_cores)})
+    worker = Worker(spec)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

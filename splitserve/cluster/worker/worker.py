@@ -10,11 +10,9 @@ decodes, `both` (aggregated) does everything locally; every role can prefill loc
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -31,7 +29,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput, stable_text_len
 from splitserve.errors import InvalidRequestError, SplitserveError
 from splitserve.transfer.faulty import WireFault, WireFaultKind
-from splitserve.transfer.handle import TransferHandle, TransferPlan
+from splitserve.transfer.handle import TransferHandle
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender
 from splitserve.transfer.transport import TransferState, get_transport
@@ -374,31 +372,3 @@ class Worker:
         assert self.engine.load().kv_blocks_used == 0, "blocks leaked at shutdown"
         self.sock.close()
         self.ctx.term()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent exits (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def main(argv: list[str]) -> int:
-    spec = WorkerSpec.from_json(argv[0])
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
-    import setproctitle
-    setproctitle.setproctitle(f"splitserve-{spec.worker_id}")
-    if spec.cpu_cores:
-        os.sched_setaffinity(0, spec.cpu_cores)
-        spec = replace(spec, engine_args={**spec.engine_args,
-                                          "num_threads": len(spec.cpu_cores)})
-    worker = Worker(spec)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))
-    worker.run()
-    return 0
-
