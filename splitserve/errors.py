@@ -18,6 +18,16 @@ class InvalidRequestError(SplitserveError, ValueError):
         self.field = field
 
 
+class StepFailed(SplitserveError):
+    """An engine step raised: the requests it computed were ended (FINISHED_ERROR, their
+    blocks freed, nothing they computed cached) and the engine serves on. The cause is
+    this exception's __cause__."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class KVImportError(SplitserveError):
     """KV offered to the engine does not fit the request it was meant for."""
 

@@ -82,6 +82,9 @@ class FailureKind(str, Enum):
 #     kill            generate | prefill | first_token | decode   the worker process dies (SIGKILL)
 #                     | now
 #     error           generate | prefill                          the request fails on the worker
+#     raise           generate | prefill | first_token | decode   the worker's code for the request
+#                                                                 raises (an unexpected bug): the
+#                                                                 request fails, the worker lives
 #     stall           decode | now                                the loop sleeps `seconds`: no
 #                                                                 heartbeat, no output (a partition)
 #     drop_kv         transfer                                    the KV is never sent
@@ -99,6 +102,7 @@ class FailureKind(str, Enum):
 POINTS: dict[str, tuple[str, ...]] = {
     "kill": ("generate", "prefill", "first_token", "decode", "now"),
     "error": ("generate", "prefill"),
+    "raise": ("generate", "prefill", "first_token", "decode"),
     "stall": ("decode", "now"),
     "drop_kv": ("transfer",),
     "corrupt_kv": ("transfer",),

@@ -18,7 +18,7 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling_params import SamplingParams, check_length, check_token_ids
 from splitserve.engine.scheduler import Scheduler
-from splitserve.errors import InvalidRequestError, KVImportError
+from splitserve.errors import InvalidRequestError, KVImportError, StepFailed
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.kernels import (EXACT_KERNELS, is_supported, isa_name,
@@ -119,7 +119,6 @@ class LLMEngine(KVConnector):
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        self._roots: dict[str | None, BlockHash] = {}
         # KV senders use it to stream layer i while layer i+1 computes (kv_connector.py).
         self.layer_listener: LayerListener | None = None
         self._held: dict[str, Request] = {}  # finished requests whose KV is kept for export
@@ -159,7 +158,7 @@ class LLMEngine(KVConnector):
         req = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
-            cache_root=self._root(namespace), max_tokens=max_tokens,
+            cache_root=root_hash(self.fingerprint, namespace), max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
             status=RequestStatus.WAITING_FOR_KV if await_kv else RequestStatus.WAITING,
             hold_kv=hold_kv, resumed_token_ids=resumed)
@@ -181,11 +180,6 @@ class LLMEngine(KVConnector):
         check_length(n, None, self.context_limit)
         check_token_ids(token_ids, self.spec.vocab_size, "prompt")
 
-    def _root(self, namespace: str | None) -> BlockHash:
-        if namespace not in self._roots:
-            self._roots[namespace] = root_hash(self.fingerprint, namespace)
-        return self._roots[namespace]
-
     def abort(self, request_id: str) -> RequestOutput | None:
         """Aborts a live request (frees its blocks); a no-op for unknown or finished ids."""
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
@@ -204,12 +198,29 @@ class LLMEngine(KVConnector):
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. If computing it raises, the step's requests end in error (StepFailed
+        names them) and the engine stays usable: blocks are cached only after a step
+        completes, so nothing the failed step wrote can ever be a prefix hit."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        result = self.runner.execute(batch, self._layer_hook(batch))
-        updated = self.scheduler.update(batch, result)
+        try:
+            result = self.runner.execute(batch, self._layer_hook(batch))
+            updated = self.scheduler.update(batch, result)
+            outputs = self._outputs(updated, result.sampled, result.num_computed_tokens)
+        except Exception as exc:
+            raise self._fail_step(batch, exc) from exc
         self.last_step = _step_stats(batch, time.perf_counter() - start)
-        return self._outputs(updated, result.sampled, result.num_computed_tokens)
+        return outputs
+
+    def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> StepFailed:
+        ids = [seq.request_id for seq in batch.seqs]
+        logger.exception("engine step failed; ending its %d requests", len(ids))
+        for rid in ids:
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)  # frees its blocks
+            self.detokenizer.remove(rid)
+            self.release_kv(rid)  # held by an output that finished before the failure
+        self.check_invariants()  # AssertionError: the engine is broken, not one request
+        return StepFailed(f"{type(exc).__name__}: {exc}", ids)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         listener = self.layer_listener

@@ -51,7 +51,9 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         del self.requests[req.request_id]
-        if not (req.hold_kv and req.status != RequestStatus.FINISHED_ABORTED):
+        # Only a request that ended well keeps its KV for export (an aborted or failed
+        # one's may be incomplete).
+        if not (req.hold_kv and req.status <= RequestStatus.FINISHED_LENGTH):
             self.kv.free(req.request_id)
 
     @property

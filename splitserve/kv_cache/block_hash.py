@@ -17,6 +17,7 @@ share a root and hence never match each other's blocks.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import struct
@@ -33,6 +34,7 @@ def _field(data: bytes) -> bytes:
     return _U32.pack(len(data)) + data
 
 
+@functools.lru_cache(maxsize=4096)  # bounded: clients choose namespaces (salts)
 def root_hash(fingerprint: str, namespace: str | None) -> BlockHash:
     """Parent hash of a sequence's first block for one model and cache namespace.
 

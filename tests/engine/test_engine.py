@@ -7,7 +7,7 @@ import random
 import pytest
 
 from splitserve import SamplingParams
-from splitserve.errors import InvalidRequestError, ModelLoadError
+from splitserve.errors import InvalidRequestError, ModelLoadError, StepFailed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -162,6 +162,36 @@ def test_abort_frees_blocks(make_llm) -> None:
     assert out is not None and out.finish_reason == "abort"
     assert engine.kv.pool.num_used_blocks == 0
     assert engine.abort("a") is None  # idempotent
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(make_llm) -> None:
+    """Whatever a step raises (here the runner, on the step that holds "poison"), the
+    step's requests end with StepFailed naming them, their blocks are freed, nothing the
+    step wrote is cached, and the next requests get exactly a fresh engine's output."""
+    llm = make_llm()
+    engine, params = llm.engine, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompt = list(range(100, 150))  # whole blocks a later request could hit
+    execute = engine.runner.execute
+
+    def flaky(batch, hook):
+        if any(seq.request_id == "poison" for seq in batch.seqs):
+            raise RuntimeError("boom")
+        return execute(batch, hook)
+
+    engine.runner.execute = flaky
+    engine.add_request("poison", prompt, params)
+    engine.add_request("bystander", prompts(2)[1], params)
+    with pytest.raises(StepFailed) as err:
+        engine.step()
+    assert sorted(err.value.request_ids) == ["bystander", "poison"]
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert not engine.has_unfinished and engine.kv.pool.num_used_blocks == 0
+    assert engine.request_ids() == []
+    engine.check_invariants()
+    # Nothing of the failed step is a prefix hit, and the engine's outputs are unchanged.
+    got = llm.generate([prompt], params)[0]
+    assert got.num_cached_tokens == 0
+    assert got.token_ids == make_llm().generate([prompt], params)[0].token_ids
 
 
 def test_bad_prompts_raise_typed_errors(make_llm) -> None:

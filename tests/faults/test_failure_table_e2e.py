@@ -80,6 +80,20 @@ def test_prefill_worker_error_is_retried(cluster: Any, offline: LLM) -> None:
     assert_pools_clean(cluster, NUM_WORKERS)
 
 
+@pytest.mark.parametrize("point", ["prefill", "first_token"])
+def test_a_request_that_raises_in_a_worker_fails_alone(cluster: Any, offline: LLM,
+                                                       point: str) -> None:
+    """An unexpected exception in a worker's code for one request (issue 16) fails that
+    attempt with a typed error and leaves the process up; the retry gives the exact output."""
+    restarts = metric(cluster, "splitserve_worker_restarts_total", worker="prefill-0")
+    retries = metric(cluster, "splitserve_retries_total", reason="worker_error")
+    arm(cluster, "prefill-0", kind="raise", point=point)
+    assert complete(cluster, PROMPT, 8, SEEDED) == expected(offline, PROMPT, 8, SEEDED)
+    assert metric(cluster, "splitserve_retries_total", reason="worker_error") == retries + 1
+    assert metric(cluster, "splitserve_worker_restarts_total", worker="prefill-0") == restarts
+    assert_pools_clean(cluster, NUM_WORKERS)
+
+
 def test_corrupt_transfer_is_recomputed_never_used(cluster: Any, offline: LLM) -> None:
     before = metric(cluster, "splitserve_reprefills_total")
     arm(cluster, "prefill-0", kind="corrupt_kv")

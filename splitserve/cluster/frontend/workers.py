@@ -31,7 +31,6 @@ class Workers:
         self.block_size = 16
         self._fenced: set[bytes] = set()  # removed incarnations already told to exit
         self._registered = asyncio.Event()
-        self._roots: dict[str | None, BlockHash] = {}
 
     async def wait_for(self, num_workers: int, timeout_s: float) -> None:
         """Returns once `num_workers` are registered; TimeoutError after `timeout_s`."""
@@ -123,9 +122,7 @@ class Workers:
         fingerprint = self.table.fingerprint
         if fingerprint is None:
             return []
-        if namespace not in self._roots:
-            self._roots[namespace] = root_hash(fingerprint, namespace)
-        return hash_full_blocks(self._roots[namespace], token_ids, self.block_size)
+        return hash_full_blocks(root_hash(fingerprint, namespace), token_ids, self.block_size)
 
     def health(self) -> list[dict[str, object]]:
         return [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,

@@ -27,7 +27,7 @@ from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput, stable_text_len
-from splitserve.errors import InvalidRequestError, SplitserveError
+from splitserve.errors import InvalidRequestError, SplitserveError, StepFailed
 from splitserve.transfer.faulty import WireFault, WireFaultKind
 from splitserve.transfer.handle import TransferHandle
 from splitserve.transfer.receiver import KVReceiver
@@ -92,14 +92,14 @@ class Worker:
         while not self.stopping:
             self._receive(self._wait_s())
             self._inject(self.faults.fire("now"))
-            outputs = engine.step() if engine.has_unfinished else []
+            outputs = self._step()
             if outputs and engine.last_step is not None:
                 s = engine.last_step
                 self.steps.append(P.StepTiming(s.num_prefill_tokens, s.num_decode_seqs,
                                                s.seconds))
             self._move_kv(outputs)
             for out in outputs:
-                self._send_output(out)
+                self._output(out)
             self._publish_events()
             if time.monotonic() >= self.next_report:
                 self._report()
@@ -107,6 +107,20 @@ class Worker:
                     logger.warning("parent process is gone; exiting")
                     break
         self.close()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a step that raises fails its requests, not this process (each
+        client gets a typed error, or a retry elsewhere: worker_error is retryable)."""
+        if not self.engine.has_unfinished:
+            return []
+        try:
+            return self.engine.step()
+        except StepFailed as exc:
+            for rid in exc.request_ids:
+                self._abort(rid)
+                self._fail(rid, FailureKind.WORKER_ERROR,
+                           f"{self.spec.worker_id} failed computing this request: {exc}")
+            return []
 
     def _wait_s(self) -> float:
         if self.engine.has_unfinished:
@@ -129,6 +143,20 @@ class Worker:
                 logger.warning("bad message from the frontend: %s", exc)
 
     def _handle(self, msg: P.Message) -> None:
+        """Acts on one message. Whatever a message about one request raises fails that
+        request (typed error to the frontend) and nothing else."""
+        try:
+            self._act(msg)
+        except Exception as exc:
+            rid = getattr(msg, "request_id", None)
+            logger.exception("%s failed", type(msg).__name__)
+            if not isinstance(rid, str):
+                return
+            self._abort(rid)
+            self._fail(rid, FailureKind.of(exc), f"{self.spec.worker_id} failed "
+                       f"{type(msg).__name__}: {type(exc).__name__}: {exc}")
+
+    def _act(self, msg: P.Message) -> None:
         if isinstance(msg, P.Generate):
             self._generate(msg)
         elif isinstance(msg, P.Prefill):
@@ -172,6 +200,8 @@ class Worker:
             self._publish_events()
             self.engine.evict_cached_blocks(self.engine.cached_block_hashes())
             self.engine.take_kv_events()  # lost: the frontend's index is now stale
+        elif fault.kind == "raise":
+            raise RuntimeError(f"fault injection: {self.spec.worker_id} raised")
         elif fault.kind == "error" and rid is not None:
             self._fail(rid, FailureKind.WORKER_ERROR, f"fault injection: {self.spec.worker_id} "
                        "failed the request")
@@ -298,6 +328,15 @@ class Worker:
         self._send(P.TransferReport(handle.telemetry))
 
     # -- outputs --------------------------------------------------------------------------------
+    def _output(self, out: RequestOutput) -> None:
+        try:
+            self._send_output(out)
+        except Exception as exc:
+            logger.exception("streaming %s failed", out.request_id)
+            self._abort(out.request_id)
+            self._fail(out.request_id, FailureKind.WORKER_ERROR, f"{self.spec.worker_id} "
+                       f"failed streaming this request: {type(exc).__name__}: {exc}")
+
     def _send_output(self, out: RequestOutput, send: bool = True) -> None:
         """Streams an engine output to the frontend (`send=False`: only counts it)."""
         stream = self.streams.get(out.request_id)
