@@ -174,10 +174,7 @@ class LLMEngine(KVConnector):
         return min(self.max_model_len, self.num_blocks * self.block_size)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
-        n = len(token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
-        check_length(n, None, self.context_limit)
+        check_length(len(token_ids), None, self.context_limit)
         check_token_ids(token_ids, self.spec.vocab_size, "prompt")
 
     def abort(self, request_id: str) -> RequestOutput | None:

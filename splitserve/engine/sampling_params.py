@@ -88,6 +88,8 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     """The one prompt-length check (the HTTP edge and every engine run it): a prompt must
     leave room for output within `max_model_len`, and an explicit `max_tokens` must fit
     after it. InvalidRequestError names the field: `prompt` or `max_tokens`."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; your request has "
