@@ -65,11 +65,12 @@ def test_imports_point_one_way() -> None:
 CLUSTER_ALLOWED = {
     "codec": set(),
     "protocol": {"codec"},
+    "auth": set(),  # control-plane keys (CURVE): shared by both ends and the runtimes
     "router": {"codec", "protocol"},  # shared enums (Role); nothing of the other parts
-    "worker": {"protocol"},
-    "runtime": {"worker", "protocol"},
-    "frontend": {"protocol", "router"},
-    "launcher": {"codec", "protocol", "router", "frontend", "worker", "runtime"},
+    "worker": {"protocol", "auth"},
+    "runtime": {"worker", "protocol", "auth"},
+    "frontend": {"protocol", "router", "auth"},
+    "launcher": {"codec", "protocol", "auth", "router", "frontend", "worker", "runtime"},
     "__init__": set(),
 }
 

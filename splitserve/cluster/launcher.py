@@ -1,5 +1,9 @@
 """Brings a cluster up and down: the dispatcher, the router and the worker processes that
-`ServeConfig` asks for, started through a Runtime and watched while they run."""
+`ServeConfig` asks for, started through a Runtime and watched while they run.
+
+Each worker incarnation gets its own control-plane keypair (cluster/auth.py), registered
+with the frontend under its identity before it starts and revoked once it exited: only
+workers started here can join."""
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +79,8 @@ class Cluster:
         specs = worker_specs(cfg, dispatcher.address)
         try:
             for spec in specs:
-                self.handles.append(self.runtime.start_worker(spec))
+                secret = dispatcher.link.enroll(spec.identity)
+                self.handles.append(self.runtime.start_worker(spec, secret))
             await self._wait_registered(len(specs))
         except BaseException:
             await self.stop()
@@ -109,10 +114,13 @@ class Cluster:
                     continue
                 spec = handle.spec
                 dispatcher.mark_dead(spec.identity, "exited")
+                dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
                     continue
                 self.runtime.stop_worker(handle)  # reaps the exited process
-                self.handles[i] = self.runtime.start_worker(replace(spec, epoch=spec.epoch + 1))
+                new = replace(spec, epoch=spec.epoch + 1)
+                self.handles[i] = self.runtime.start_worker(new, dispatcher.link.enroll(
+                    new.identity))
                 dispatcher.metrics.worker_restarts.labels(spec.worker_id).inc()
                 logger.warning("restarted %s as epoch %d", spec.worker_id, spec.epoch + 1)
 

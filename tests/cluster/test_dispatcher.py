@@ -25,16 +25,19 @@ PLAN = TransferPlan("t1", "r1", None, "tcp://127.0.0.1:1", 0, 3, 5.0)
 
 
 class ScriptedWorker:
-    """A worker's socket, driven by the test."""
+    """A worker's socket, driven by the test; enrolled with the dispatcher's link as the
+    launcher does (its own CURVE keypair, cluster/auth.py)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, role: str, index: int = 0,
+    def __init__(self, ctx: zmq.asyncio.Context, d: Dispatcher, role: str, index: int = 0,
                  epoch: int = 1, max_num_seqs: int = 8) -> None:
         self.max_num_seqs = max_num_seqs
         self.worker_id = f"{role}-{index}"
+        identity = f"{self.worker_id}:{epoch}".encode()
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, f"{self.worker_id}:{epoch}".encode())
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        d.link.enroll(identity).connect(self.sock)
+        self.sock.connect(d.address)
         self.role = P.Role(role)
 
     async def register(self) -> None:
@@ -82,7 +85,7 @@ def run(scenario: Scenario, deadlines: DeadlineConfig | None = None,
 
 
 async def workers(d: Dispatcher, ctx: zmq.asyncio.Context, *roles: str) -> list[ScriptedWorker]:
-    ws = [ScriptedWorker(ctx, d.address, role) for role in roles]
+    ws = [ScriptedWorker(ctx, d, role) for role in roles]
     for w in ws:
         await w.register()
     await d.wait_for_workers(len(ws), 5)
@@ -214,9 +217,9 @@ def test_messages_from_unknown_or_replaced_workers_are_ignored() -> None:
         (w,) = await workers(d, ctx, "both")
         task = asyncio.create_task(collect(d.generate(request())))
         await w.expect(P.Generate)
-        stranger = ScriptedWorker(ctx, d.address, "both", index=7)
+        stranger = ScriptedWorker(ctx, d, "both", index=7)
         await stranger.send(output("r1", 0, [666], 0, "evil", finished=True))
-        new = ScriptedWorker(ctx, d.address, "both", epoch=2)  # a restart of both-0
+        new = ScriptedWorker(ctx, d, "both", epoch=2)  # a restart of both-0
         await new.register()
         retry = await new.expect(P.Generate)  # the request resumes on the new incarnation
         assert retry.request_id == "r1#1"
@@ -243,7 +246,7 @@ def test_no_decode_worker_is_refused_up_front() -> None:
 def test_admission_queue_is_fifo_bounded_and_times_out() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         from splitserve.errors import AdmissionRejected
-        w = ScriptedWorker(ctx, d.address, "both", max_num_seqs=1)
+        w = ScriptedWorker(ctx, d, "both", max_num_seqs=1)
         await w.register()
         await d.wait_for_workers(1, 5)
         tasks = {}

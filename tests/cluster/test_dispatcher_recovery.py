@@ -99,7 +99,7 @@ def test_retries_stop_at_the_budget() -> None:
 def test_a_removed_incarnation_is_fenced_and_told_to_exit() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (old,) = await workers(d, ctx, "both")
-        new = ScriptedWorker(ctx, d.address, "both", epoch=2)
+        new = ScriptedWorker(ctx, d, "both", epoch=2)
         await new.register()  # a restart: the new epoch replaces the old one
         await until(lambda: d.table.by_id["both-0"].identity == b"both-0:2")
         await old.send(P.KVEventBatch(1, []))
@@ -193,7 +193,7 @@ def test_a_retry_with_no_decode_worker_up_waits_for_a_restarted_one() -> None:
         d.mark_dead(dec.sock.getsockopt(zmq.ROUTING_ID), "exited")  # the only decode worker
         assert (await p.expect(P.Abort)).request_id == "r1"
         assert d.flights.stranded == [d.flights["r1"]]
-        restarted = ScriptedWorker(ctx, d.address, "decode", epoch=2)
+        restarted = ScriptedWorker(ctx, d, "decode", epoch=2)
         await restarted.register()
         gen = await restarted.expect(P.Generate)  # the retry goes on, remote as before
         assert gen.request_id == "r1#1" and gen.await_kv and gen.resume_token_ids == [5]
@@ -219,7 +219,7 @@ def test_a_request_arriving_with_no_decode_worker_up(restarts: bool) -> None:
             return
         await until(lambda: d.health()["queued"] == 1)
         assert not d.is_ready()  # load balancers steer around meanwhile
-        restarted = ScriptedWorker(ctx, d.address, "both", epoch=2)
+        restarted = ScriptedWorker(ctx, d, "both", epoch=2)
         await restarted.register()
         assert (await restarted.expect(P.Generate)).request_id == "r1"
         await restarted.send(output("r1", 0, [7], 0, "a", finished=True))

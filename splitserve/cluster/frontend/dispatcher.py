@@ -31,6 +31,7 @@ from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.admin import ClusterAdmin
+from splitserve.cluster.frontend.delivery import Redelivery
 from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
@@ -43,9 +44,8 @@ from splitserve.cluster.protocol import FailureKind
 from splitserve.cluster.router.placement import RouteDecision
 from splitserve.cluster.router.router import Router
 from splitserve.config import DeadlineConfig
-from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTimeout,
-                               SplitserveError, WorkerFailed)
-from splitserve.transfer.telemetry import TransferSide
+from splitserve.errors import (AdmissionRejected, InvalidRequestError, ProtocolError,
+                               RequestTimeout, SplitserveError, WorkerFailed)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Dispatcher:
         self.retry = retry
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
-        self.link = WorkerLink()
+        self.link = WorkerLink(self.metrics)
         self.address = self.link.address
         self.workers = Workers(router, self.link, self.metrics)
         self.table = self.workers.table
@@ -71,6 +71,8 @@ class Dispatcher:
         self.routing = Routing(router, self.workers, self.link, self.metrics, max_queue_len)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
+        self.delivery = Redelivery(self.link, self.flights, self.fail_attempt, self.mark_dead)
+        self.link.on_lost = self.delivery.on_lost  # lost sends fail or are resent
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -92,6 +94,7 @@ class Dispatcher:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.delivery.close()
         for flight in self.flights:
             flight.queue.put_nowait(WorkerFailed("the server is shutting down"))
         self.link.close()
@@ -294,20 +297,17 @@ class Dispatcher:
         elif isinstance(msg, P.KVSnapshot):
             self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
         elif isinstance(msg, P.TransferReport):
-            t = msg.telemetry
-            self.metrics.observe_transfer(t)
-            if (t.error is not None and t.side is TransferSide.RECEIVER
-                    and self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE):
-                self.metrics.reprefills.inc()
+            self.metrics.observe_transfer(msg.telemetry, recomputes=self.retry.kv_failure_policy
+                                          is KVFailurePolicy.RECOMPUTE)
         elif isinstance(msg, P.PoolReport):
             self.admin.on_pool_report(identity, msg)
-        else:
-            logger.warning("refused %s from %s: workers do not send it", type(msg).__name__,
-                           worker.worker_id)
+        else:  # counted by the link as refused
+            raise ProtocolError(f"workers do not send {type(msg).__name__}")
 
     def _on_ready(self, identity: bytes, msg: P.WorkerReady) -> None:
-        # A restarted worker: its previous incarnation is gone, with its cache; its
-        # requests resume once the new one is registered (they may go to it).
+        # Checked whole first (ProtocolError: refused, nothing changed). A restarted
+        # worker: its previous incarnation is gone, with its cache; its requests resume
+        # once the new one is registered (they may go to it).
         replaced = self.workers.join(identity, msg)
         self._orphan(replaced, f"worker {msg.worker_id} was replaced by a new incarnation")
         self._place_stranded()

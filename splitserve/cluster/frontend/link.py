@@ -1,58 +1,198 @@
-"""The frontend's socket to its workers: one ZeroMQ ROUTER, frames encoded by protocol.py.
+"""The frontend's socket to its workers: one ZeroMQ ROUTER, a CURVE server (auth.py),
+frames encoded by protocol.py.
 
-Sends never block the event loop (a worker that is gone or not reading loses the
-message, which is logged: its heartbeat deadline then removes it); received frames are
-decoded and handed to one callback with the sender's routing id.
+    connection   CURVE handshake; the ZAP handler lets in registered keys only, under the
+                 identity each was registered for          refused: counted (monitor)
+    frame        exactly [routing id, message]; its User-Id (that identity) equals its
+                 routing id; it decodes, nested fields included
+                                                           else: dropped and counted
+    message      on_message(identity, msg); ProtocolError from it means refused (counted);
+                 any other exception is a bug: logged, counted, the loop goes on
+
+Nothing a peer sends can end the receive loop. Sends never block the event loop: a send
+ZeroMQ does not take (the worker's queue is at its high-water mark, or it is not
+connected) is counted and handed to `on_lost` on a later turn of the loop (never inside
+`send`, so the dispatcher is not re-entered), which fails or resends it (delivery.py).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.cluster import protocol as P
+from splitserve.cluster.auth import (MAX_MESSAGE_BYTES, ControlAuthenticator, KeyRing,
+                                     ServerKeys, WorkerSecret)
+from splitserve.cluster.frontend.metrics import DropReason, LostReason, Metrics
 from splitserve.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
+_HANDSHAKE_EVENTS: dict[int, DropReason] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: DropReason.HANDSHAKE,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: DropReason.HANDSHAKE,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: DropReason.UNKNOWN_KEY}
+
+
+@dataclass(frozen=True, slots=True)
+class LostSend:
+    """A message ZeroMQ did not take; `num_resends` counts the resends before this one."""
+    identity: bytes
+    msg: P.Message
+    reason: LostReason
+    num_resends: int
+
 
 class WorkerLink:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, metrics: Metrics, host: str = "127.0.0.1") -> None:
+        self.metrics = metrics
+        self.on_lost: Callable[[LostSend], None] | None = None
+        self.keys = KeyRing()
+        self._server = ServerKeys.generate()
         self.ctx = zmq.asyncio.Context()
+        # NOTE: the ZAP handler must be up before the socket binds; without one, libzmq
+        # lets every CURVE client in.
+        self._auth = ControlAuthenticator(zmq.Context.shadow(self.ctx.underlying), self.keys)
+        self._auth.start()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._server.serve(self.sock)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._num_logged: dict[DropReason, int] = {}
 
+    @property
+    def server_public_key(self) -> bytes:
+        return self._server.public
+
+    # -- who may connect ------------------------------------------------------------------------
+    def enroll(self, identity: bytes) -> WorkerSecret:
+        """A fresh keypair for one worker incarnation, registered as `identity`."""
+        secret = WorkerSecret.generate(self._server.public)
+        self.allow(identity, secret.client_public)
+        return secret
+
+    def allow(self, identity: bytes, public_key: bytes) -> None:
+        self.keys.allow(identity, public_key)
+
+    def revoke(self, identity: bytes) -> None:
+        self.keys.revoke(identity)
+
+    def is_allowed(self, identity: bytes) -> bool:
+        return self.keys.is_allowed(identity)
+
+    # -- receiving ------------------------------------------------------------------------------
     async def receive(self, on_message: Callable[[bytes, P.Message], None]) -> None:
-        """Runs until cancelled: decodes each frame and calls on_message(identity, msg)."""
-        while True:
-            identity, frame = await self.sock.recv_multipart()
+        """Runs until cancelled: each well-formed frame from the worker its key belongs to
+        goes to on_message(identity, msg); everything else is dropped and counted."""
+        watch = asyncio.create_task(self._watch_handshakes(), name="link-handshakes")
+        try:
+            while True:
+                frames = await self.sock.recv_multipart(copy=False)
+                checked = self._check(frames)
+                if checked is None:
+                    continue
+                identity, msg = checked
+                try:
+                    on_message(identity, msg)
+                except ProtocolError as exc:
+                    self._drop(DropReason.REFUSED, identity, str(exc))
+                except Exception:  # one bad message must not stop the frontend
+                    self.metrics.control_dropped.labels(DropReason.HANDLER_ERROR.value).inc()
+                    logger.exception("failed to handle %s from %r", type(msg).__name__,
+                                     identity)
+        finally:
+            watch.cancel()
+
+    def _check(self, frames: list[zmq.Frame]) -> tuple[bytes, P.Message] | None:
+        """(identity, message) of a frame that passes every check; None when dropped."""
+        identity = frames[0].bytes
+        for frame in frames:
             try:
-                on_message(identity, P.decode(frame))
-            except ProtocolError as exc:
-                logger.warning("refused a message from %r: %s", identity, exc)
-            except Exception:  # one bad message must not stop the frontend
-                logger.exception("failed to handle a message from %r", identity)
+                user_id = frame.get("User-Id")
+            except zmq.ZMQError:
+                user_id = None
+            if not isinstance(user_id, str) or user_id.encode() != identity:
+                self._drop(DropReason.IDENTITY_MISMATCH, identity,
+                           f"its key is registered as {user_id!r}")
+                return None
+        if len(frames) != 2:
+            self._drop(DropReason.FRAME_COUNT, identity, f"{len(frames) - 1} message frames")
+            return None
+        try:
+            return identity, P.decode(frames[1].bytes)
+        except ProtocolError as exc:
+            self._drop(DropReason.UNDECODABLE, identity, str(exc))
+        except Exception as exc:  # decode should raise nothing else; never trust that
+            self._drop(DropReason.UNDECODABLE, identity, f"{type(exc).__name__}: {exc}")
+        return None
 
-    def send(self, identity: bytes, msg: P.Message) -> None:
-        kind = type(msg).__name__
+    async def _watch_handshakes(self) -> None:
+        """Counts refused connections (handshake and ZAP failures) from socket events."""
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            reason = _HANDSHAKE_EVENTS.get(event["event"])
+            if reason is not None:
+                self._drop(reason, event["endpoint"], f"handshake failed ({event['value']})")
 
-        def check(fut: asyncio.Future[object]) -> None:
-            exc = None if fut.cancelled() else fut.exception()
-            if exc is not None:  # the worker is gone (ROUTER_MANDATORY) or stuck
-                logger.warning("could not send %s to %r: %s", kind, identity, exc)
+    def _drop(self, reason: DropReason, peer: bytes, why: str) -> None:
+        self.metrics.control_dropped.labels(reason.value).inc()
+        # The first of each reason, then one in a thousand: a flood must not flood the log.
+        n = self._num_logged.get(reason, 0)
+        self._num_logged[reason] = n + 1
+        if n % 1000 == 0:
+            logger.warning("dropped a control frame from %r (%s; %d so far): %s", peer[:64],
+                           reason.value, n + 1, why[:300])
+
+    # -- sending --------------------------------------------------------------------------------
+    def send(self, identity: bytes, msg: P.Message, num_resends: int = 0) -> None:
+        """Queues `msg` for the worker without blocking; `on_lost` hears if it is lost."""
         try:
             fut = self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            logger.warning("could not send %s to %r: %s", kind, identity, exc)
+            self._lost(identity, msg, num_resends, exc, immediate=True)
             return
+
+        def check(fut: asyncio.Future[object]) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is not None:
+                self._lost(identity, msg, num_resends, exc)
         fut.add_done_callback(check)  # type: ignore[attr-defined]
 
+    def _lost(self, identity: bytes, msg: P.Message, num_resends: int,
+              exc: BaseException, immediate: bool = False) -> None:
+        code = getattr(exc, "errno", None)
+        reason = (LostReason.FULL if code == errno.EAGAIN
+                  else LostReason.UNREACHABLE if code == errno.EHOSTUNREACH
+                  else LostReason.ERROR)
+        kind = type(msg).__name__
+        self.metrics.control_lost.labels(kind, reason.value).inc()
+        logger.warning("could not send %s to %r (%s): %s", kind, identity, reason.value, exc)
+        if self.on_lost is None:
+            return
+        lost = LostSend(identity, msg, reason, num_resends)
+        if immediate:  # the caller is mid-way through its own work: report it next turn
+            try:
+                asyncio.get_running_loop().call_soon(self.on_lost, lost)
+            except RuntimeError:  # no loop runs (shutting down): nobody to tell
+                pass
+        else:
+            self.on_lost(lost)
+
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._auth.stop()
         self.sock.close()
         self.ctx.term()

@@ -7,6 +7,7 @@ transfer reports and are recorded here with a `worker` label.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
@@ -14,6 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 
 from splitserve.cluster.frontend.flight import Flight
 from splitserve.cluster.protocol import LoadReport, StepTiming
+from splitserve.errors import KVImportError, KVTransferError
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
@@ -21,6 +23,41 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                   0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class DropReason(str, Enum):
+    """Why the control plane dropped a frame or a connection: the fixed label values of
+    `splitserve_control_frames_dropped_total{reason}`."""
+    HANDSHAKE = "handshake"  # not CURVE, not our server key, not ZeroMQ at all
+    UNKNOWN_KEY = "unknown_key"  # a CURVE client whose key the launcher did not register
+    IDENTITY_MISMATCH = "identity_mismatch"  # a key speaking under another routing id
+    FRAME_COUNT = "frame_count"  # not [routing id, one message]
+    UNDECODABLE = "undecodable"  # not a well-formed message (protocol.decode refused it)
+    REFUSED = "refused"  # well-formed, refused before acting (a registration that does
+    # not check out, a message workers do not send)
+    HANDLER_ERROR = "handler_error"  # acting on it raised: a bug, logged with its trace
+
+
+class LostReason(str, Enum):
+    """Why a send to a worker was lost (`splitserve_control_sends_lost_total{reason}`)."""
+    FULL = "full"  # its queue is at the high-water mark: it does not read
+    UNREACHABLE = "unreachable"  # it has no connection (ROUTER_MANDATORY)
+    ERROR = "error"  # any other ZeroMQ error
+
+
+def transfer_outcome(error: str | None) -> str:
+    """The `outcome` label of `splitserve_kv_transfers_total` for an error class name a
+    worker reported: known transfer and socket errors as themselves, any other string
+    "other", so a worker cannot grow the label set."""
+    if error is None:
+        return "ok"
+    todo: list[type] = [KVTransferError, KVImportError, OSError]
+    while todo:  # walked each time: error classes may be defined after this module
+        cls = todo.pop()
+        if cls.__name__ == error:
+            return error
+        todo.extend(cls.__subclasses__())
+    return "other"
 
 
 class Metrics:
@@ -111,6 +148,14 @@ class Metrics:
         self.slo_attained = Counter("splitserve_slo_attained_requests",
                                     "Completed requests meeting the configured SLO "
                                     "(ttft, tpot, or all of them)", ["slo"], registry=r)
+        self.control_dropped = Counter("splitserve_control_frames_dropped",
+                                       "Control-plane frames and handshakes dropped, by "
+                                       "reason (cluster/auth.py, frontend/link.py)",
+                                       ["reason"], registry=r)
+        self.control_lost = Counter("splitserve_control_sends_lost", "Messages to workers "
+                                    "ZeroMQ did not take, by message and reason (the "
+                                    "dispatcher fails the attempt or resends)",
+                                    ["message", "reason"], registry=r)
         self.index_blocks = Gauge("splitserve_router_indexed_blocks",
                                   "Distinct block hashes in the router's prefix index",
                                   registry=r)
@@ -164,9 +209,13 @@ class Metrics:
             if step.num_decode_seqs:
                 self.decode_batch.labels(worker).observe(step.num_decode_seqs)
 
-    def observe_transfer(self, t: TransferTelemetry) -> None:
+    def observe_transfer(self, t: TransferTelemetry, recomputes: bool = False) -> None:
+        """One side's transfer record; `recomputes`: a failed import is prefilled locally
+        (--kv-failure-policy recompute), so a receiver's failure is a re-prefill."""
         side = t.side.name.lower()
-        self.transfers.labels(side, "ok" if t.error is None else t.error).inc()
+        self.transfers.labels(side, transfer_outcome(t.error)).inc()
+        if t.error is not None and t.side is TransferSide.RECEIVER and recomputes:
+            self.reprefills.inc()
         if t.side is TransferSide.SENDER:
             self.transfer_bytes.inc(t.wire_bytes)
             for stage, seconds in (("pack", t.pack_s), ("queue", t.queue_s), ("wire", t.wire_s),

@@ -1,8 +1,10 @@
 """The frontend's view of its workers: who registered, with what, and who is still alive.
 
-Workers are keyed by their ZeroMQ routing id (`<role>-<index>:<epoch>`). A message from an
-identity that never registered, or from an older epoch of a worker that was replaced, is
-refused: a restarted worker cannot be confused with its previous incarnation.
+Workers are keyed by their ZeroMQ routing id (`<role>-<index>:<epoch>`), which the
+worker's CURVE key vouches for (cluster/auth.py). A message from an identity that never
+registered, or from an older epoch of a worker that was replaced, is refused: a restarted
+worker cannot be confused with its previous incarnation. A registration is checked whole
+before anything changes (`check`).
 """
 from __future__ import annotations
 
@@ -38,20 +40,51 @@ class WorkerTable:
         self.fingerprint: str | None = None
         self.seen: set[bytes] = set()  # every identity that ever registered
 
-    def register(self, identity: bytes, ready: WorkerReady) -> WorkerInfo:
-        """Adds a worker; all workers must share one model fingerprint (same model, dtype,
+    def check(self, identity: bytes, ready: WorkerReady) -> None:
+        """Raises ProtocolError unless `ready` may register as `identity`; changes nothing
+        (validate before mutating: a refused registration removes no one).
+
+        The identity (`<role>-<index>:<epoch>`, vouched for by the worker's key) must name
+        the worker and role the message claims; a registered identity cannot register
+        again, a removed one never comes back, and a new incarnation must be newer than
+        the one it replaces. All workers share one model fingerprint (same model, dtype,
         block size and KV format), or their KV could not move between them."""
-        name, _, epoch = identity.decode(errors="replace").partition(":")
-        if name != ready.worker_id or not epoch.isdigit():
-            raise ProtocolError(f"identity {identity!r} does not match worker "
-                                f"{ready.worker_id!r}")
+        epoch = _epoch(identity, ready.worker_id)
+        role, _, index = ready.worker_id.rpartition("-")
+        if role != ready.role.value or not index.isdigit():
+            raise ProtocolError(f"worker id {ready.worker_id!r} does not name role "
+                                f"{ready.role.value!r}")
+        if identity in self.workers:
+            raise ProtocolError(f"{ready.worker_id} is already registered as {identity!r}")
+        if identity in self.seen:
+            raise ProtocolError(f"{identity!r} was removed; a removed incarnation does not "
+                                "come back")
+        old = self.by_id.get(ready.worker_id)
+        if old is not None and _epoch(old.identity, old.worker_id) >= epoch:
+            raise ProtocolError(f"{identity!r} is not newer than the registered "
+                                f"{old.identity!r}")
         if self.fingerprint is not None and ready.fingerprint != self.fingerprint:
             raise ProtocolError(f"worker {ready.worker_id} runs another model (fingerprint "
                                 f"{ready.fingerprint[:12]} != {self.fingerprint[:12]}); "
                                 "every worker must load the same model, dtype and block size")
+        counts = {"pid": ready.pid, "block_size": ready.block_size,
+                  "num_blocks": ready.num_blocks, "max_model_len": ready.max_model_len,
+                  "max_num_seqs": ready.max_num_seqs,
+                  "kv_bytes_per_token": ready.kv_bytes_per_token}
+        bad = [name for name, value in counts.items() if not 0 < value < 1 << 40]
+        if bad or not 0 < len(ready.fingerprint) <= 128:
+            raise ProtocolError(f"WorkerReady of {ready.worker_id}: bad {bad or 'fingerprint'}")
+        if (ready.kv_address is not None) != ready.role.can_decode or (
+                ready.kv_address is not None and not 0 < len(ready.kv_address) <= 256):
+            raise ProtocolError(f"WorkerReady of {ready.worker_id}: a {ready.role.value} "
+                                "worker must give a KV address iff it decodes")
+
+    def register(self, identity: bytes, ready: WorkerReady) -> WorkerInfo:
+        """Adds a worker that passed `check`; a new incarnation replaces the old one."""
+        self.check(identity, ready)
         self.fingerprint = ready.fingerprint
         old = self.by_id.get(ready.worker_id)
-        if old is not None:  # a new incarnation replaces the old one
+        if old is not None:
             self.workers.pop(old.identity, None)
         info = WorkerInfo(identity, ready, time.monotonic())
         self.seen.add(identity)
@@ -74,3 +107,11 @@ class WorkerTable:
     def overdue(self, timeout_s: float, now: float) -> list[WorkerInfo]:
         """Healthy workers silent for longer than `timeout_s` (load reports are heartbeats)."""
         return [w for w in self.workers.values() if w.healthy and now - w.last_seen > timeout_s]
+
+
+def _epoch(identity: bytes, worker_id: str) -> int:
+    """The incarnation in `<worker id>:<epoch>`; ProtocolError if it names another worker."""
+    name, _, epoch = identity.decode(errors="replace").partition(":")
+    if name != worker_id or not epoch.isdigit() or len(epoch) > 9:
+        raise ProtocolError(f"identity {identity!r} does not match worker {worker_id!r}")
+    return int(epoch)

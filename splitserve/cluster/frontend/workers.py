@@ -5,7 +5,7 @@ asks which of a leaving worker's requests still need it).
 
 A message from an identity that was removed or replaced is refused and its sender told
 to exit, once (fencing, DESIGN 7): a worker that went silent and woke up cannot act next
-to the incarnation that replaced it.
+to the incarnation that replaced it. Leaving revokes the incarnation's key (auth.py).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
 from splitserve.cluster.router.router import KVLayout, Router, WorkerLoad
+from splitserve.errors import ProtocolError
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,19 @@ class Workers:
                 pass
 
     def join(self, identity: bytes, msg: P.WorkerReady) -> WorkerInfo | None:
-        """Registers a worker; the incarnation it replaces, already removed, if any."""
+        """Registers a worker; the incarnation it replaces, already removed, if any.
+        ProtocolError, with nothing changed, for a registration that does not check out:
+        an identity the launcher did not register (or revoked), or any check of
+        `WorkerTable.check` (a forged or repeated WorkerReady removes no one)."""
+        if not self.link.is_allowed(identity):
+            if identity in self.table.seen:
+                self.fence(identity)
+            raise ProtocolError(f"{identity!r} is not a worker incarnation the launcher "
+                                "registered")
+        self.table.check(identity, msg)
         old = self.table.by_id.get(msg.worker_id)
         replaced = None
-        if old is not None and old.identity != identity:
+        if old is not None:
             replaced = self.leave(old.identity, "was replaced")
         self.table.register(identity, msg)
         self.block_size = msg.block_size
@@ -70,6 +80,7 @@ class Workers:
 
     def leave(self, identity: bytes, why: str) -> WorkerInfo | None:
         """Forgets a worker (removed from routing); None if it was not registered."""
+        self.link.revoke(identity)  # no new connection with its key
         worker = self.table.remove(identity)
         if worker is None:
             return None

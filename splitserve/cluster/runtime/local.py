@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from splitserve.cluster.runtime.base import Runtime, WorkerHandle
+from splitserve.cluster.auth import WorkerSecret
 from splitserve.cluster.worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -21,9 +22,16 @@ class LocalRuntime(Runtime):
     def __init__(self) -> None:
         self._procs: dict[bytes, subprocess.Popen[bytes]] = {}
 
-    def start_worker(self, spec: WorkerSpec) -> WorkerHandle:
+    def start_worker(self, spec: WorkerSpec, secret: WorkerSecret) -> WorkerHandle:
         proc = subprocess.Popen([sys.executable, "-m", "splitserve.cluster.worker",
-                                 spec.to_json()], env=_worker_env(spec))
+                                 spec.to_json()], env=_worker_env(spec),
+                                stdin=subprocess.PIPE)
+        assert proc.stdin is not None
+        try:  # the secret goes through a pipe only this child reads (not argv, not env)
+            proc.stdin.write(secret.to_bytes())
+            proc.stdin.close()
+        except BrokenPipeError:  # it died at once; the launcher sees it exit
+            logger.warning("%s exited before reading its secret", spec.worker_id)
         self._procs[spec.identity] = proc
         logger.info("started %s (pid %d, cores %s)", spec.worker_id, proc.pid, spec.cpu_cores)
         return WorkerHandle(spec, proc.pid)

@@ -1,5 +1,8 @@
-"""The worker process's entry point: `python -m splitserve.cluster.worker '<spec JSON>'`.
-Pins the process to its cores, dies with its parent, runs the Worker until told to stop."""
+"""The worker process's entry point: `python -m splitserve.cluster.worker '<spec JSON>'`,
+with its control-plane secret (cluster/auth.py) on stdin, never on the command line or in
+the environment, where other local users could read it (/proc/<pid>/cmdline, environ).
+Reads the secret first, pins the process to its cores, dies with its parent, runs the
+Worker until told to stop."""
 from __future__ import annotations
 
 import ctypes
@@ -9,6 +12,7 @@ import signal
 import sys
 from dataclasses import replace
 
+from splitserve.cluster.auth import WorkerSecret
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.cluster.worker.worker import Worker
 
@@ -22,7 +26,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def _read_secret() -> WorkerSecret:
+    """The secret the runtime wrote to stdin and closed (a few hundred bytes)."""
+    data = sys.stdin.buffer.read(4096)
+    sys.stdin.close()
+    return WorkerSecret.from_bytes(data)
+
+
 def main(argv: list[str]) -> int:
+    try:
+        secret = _read_secret()
+    except ValueError as exc:
+        print(f"splitserve worker: {exc}", file=sys.stderr)
+        return 2
     spec = WorkerSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
@@ -33,7 +49,7 @@ def main(argv: list[str]) -> int:
         os.sched_setaffinity(0, spec.cpu_cores)
         spec = replace(spec, engine_args={**spec.engine_args,
                                           "num_threads": len(spec.cpu_cores)})
-    worker = Worker(spec)
+    worker = Worker(spec, secret)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))
     worker.run()

@@ -1,5 +1,6 @@
 """What a runtime hands a worker to start it: plain JSON on the command line, nothing
-secret (role, index, incarnation, where the frontend listens, engine arguments, cores)."""
+secret (role, index, incarnation, where the frontend listens, engine arguments, cores).
+The worker's control-plane key travels apart from it (cluster/auth.py: WorkerSecret)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,9 @@ class WorkerSpec:
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     report_interval_s: float = 0.1  # load reports, which double as heartbeats
     fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; worker/faults.py)
+    # A send the frontend has not taken in this long (it is gone or stuck, and ZeroMQ's
+    # queue is full) ends the worker instead of blocking its engine thread for good.
+    send_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError for an unknown one

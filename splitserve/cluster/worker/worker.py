@@ -17,10 +17,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import zmq
-
 from splitserve.cluster import protocol as P
+from splitserve.cluster.auth import WorkerSecret
 from splitserve.cluster.protocol import FailureKind, FaultSpec, Role
+from splitserve.cluster.worker.control import FrontendSocket
 from splitserve.cluster.worker.faults import FaultInjector
 from splitserve.cluster.worker.handoff import Handoffs
 from splitserve.cluster.worker.spec import WorkerSpec
@@ -54,7 +54,7 @@ class _Stream:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, secret: WorkerSecret) -> None:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
@@ -62,11 +62,11 @@ class Worker:
         self.handoffs = Handoffs(self.engine, self.sender) if self.sender else None
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen())
                          if spec.role.can_decode else None)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, spec.identity)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.connect(spec.frontend_address)
+        # A CURVE client keyed by `secret` (cluster/auth.py); sends time out when the
+        # frontend is gone (then this worker exits: `_send`).
+        self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
+                                      spec.send_timeout_s)
+        self.frontend_gone = False
         self.streams: dict[str, _Stream] = {}
         self.reserving: dict[str, tuple[P.Generate, float]] = {}  # awaiting block room
         self.event_seq = 0
@@ -130,17 +130,13 @@ class Worker:
         return BUSY_WAIT_S if busy else IDLE_WAIT_S
 
     def _receive(self, timeout_s: float) -> None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return
-        while True:
+        """Acts on every pending message (frames that are not one are dropped by
+        FrontendSocket.receive); nothing a message raises ends the engine thread."""
+        for msg in self.control.receive(timeout_s):
             try:
-                frame = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._handle(P.decode(frame))
-            except SplitserveError as exc:
-                logger.warning("bad message from the frontend: %s", exc)
+                self._handle(msg)
+            except Exception:  # _handle fails the request itself: this is the last guard
+                logger.exception("handling %s failed", type(msg).__name__)
 
     def _handle(self, msg: P.Message) -> None:
         """Acts on one message. Whatever a message about one request raises fails that
@@ -398,7 +394,10 @@ class Worker:
         self.next_report = time.monotonic() + self.spec.report_interval_s
 
     def _send(self, msg: P.Message) -> None:
-        self.sock.send(P.encode(msg), copy=False)
+        # A send that timed out: the frontend is gone or stuck; drop the rest and exit.
+        if not self.frontend_gone and not self.control.send(msg):
+            logger.error("the frontend took nothing for %g s; exiting", self.spec.send_timeout_s)
+            self.frontend_gone = self.stopping = True
 
     def close(self) -> None:
         for rid in self.engine.request_ids():
@@ -409,5 +408,4 @@ class Worker:
             self.receiver.close()
         self.engine.check_invariants()
         assert self.engine.load().kv_blocks_used == 0, "blocks leaked at shutdown"
-        self.sock.close()
-        self.ctx.term()
+        self.control.close()

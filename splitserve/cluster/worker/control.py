@@ -1,0 +1,68 @@
+"""The worker's end of the control plane: one DEALER, a CURVE client of the frontend.
+
+The worker's key (auth.WorkerSecret, handed over by its runtime) proves who it is; the
+frontend's public key proves whom it talks to, so only the frontend can send it messages.
+Still, nothing that arrives can end the engine thread: every frame is checked
+(`receive` returns the messages that decode and drops the rest), and a frame over
+MAX_MESSAGE_BYTES is refused by ZeroMQ itself.
+
+Sends wait at most `send_timeout_s` (SNDTIMEO): with the frontend gone or not reading,
+ZeroMQ queues up to the high-water mark and then a send times out; `send` says so and
+the worker exits rather than block its engine thread forever.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from splitserve.cluster import protocol as P
+from splitserve.cluster.auth import MAX_MESSAGE_BYTES, WorkerSecret
+
+logger = logging.getLogger(__name__)
+
+
+class FrontendSocket:
+    def __init__(self, address: str, identity: bytes, secret: WorkerSecret,
+                 send_timeout_s: float, send_hwm: int = 1000) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
+        self.sock.setsockopt(zmq.SNDHWM, send_hwm)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        secret.connect(self.sock)
+        self.sock.connect(address)
+        self.num_dropped = 0  # frames that were not a message
+
+    def receive(self, timeout_s: float) -> list[P.Message]:
+        """Every message pending, waiting up to `timeout_s` for the first."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return []
+        out: list[P.Message] = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                if len(frames) != 1:
+                    raise ValueError(f"{len(frames)} frames, not one")
+                out.append(P.decode(frames[0]))
+            except Exception as exc:  # any bytes at all: drop them, keep the engine going
+                self.num_dropped += 1
+                logger.warning("dropped a frame from the frontend: %s: %s",
+                               type(exc).__name__, str(exc)[:300])
+
+    def send(self, msg: P.Message) -> bool:
+        """False when the frontend did not take it within the send timeout (gone)."""
+        try:
+            self.sock.send(P.encode(msg), copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
