@@ -3,8 +3,8 @@ reader that validates a stream frame by frame. Byte layout: docs/transfer.md.
 
 A transfer is a stream of frames; each frame is a fixed 24-byte prelude and a body:
 
-    prelude  "<4sBBHQQ": magic b"SSKV" | kind u8 | flags u8 (0) | layer u16
-                         | body_len u64 | xxh3_64(body) u64
+    prelude  "<4sBBHQ32s": magic b"SSKV" | kind u8 | flags u8 (0) | layer u16
+                           | body_len u64 | tag: HMAC-SHA256 of (context, body) (mac.py)
     sender -> receiver   HEADER          LAYER 0 .. LAYER n-1, TRAILER
     receiver -> sender          REPLY(accepted | rejected | duplicate)     REPLY(committed | rejected)
 
@@ -15,8 +15,11 @@ refused at the header (see receiver.py), which keeps the channel in step.
 
 HEADER, TRAILER and REPLY bodies are msgpack maps; LAYER bodies are raw K/V bytes
 (layer_codec.py). Nothing is unpickled. The reader checks every prelude field, the order of
-frames, each body's length against the header *before* allocating, and each checksum, so
-a corrupted, truncated or reordered stream raises a typed error, never yields data.
+frames, each body's length against the header *before* allocating, and each tag under the
+transfer's key, so a corrupted, forged, truncated or reordered stream raises a typed
+error, never yields data. Replies are tagged too when the receiver knows the transfer's
+key; an untagged one is believed only when it refuses (it can fail a transfer, which a
+reset connection could as well, but never complete one).
 """
 from __future__ import annotations
 
@@ -29,21 +32,20 @@ from typing import Any, Protocol, TypeVar
 
 import msgpack
 import torch
-import xxhash
 
 from splitserve.errors import BlobFormatError, ChecksumMismatch, TruncatedTransfer
 from splitserve.transfer.layer_codec import (DTYPES, Compression, decode_layer, empty_payload,
                                              layer_nbytes)
+from splitserve.transfer.mac import MAC_NAME, NO_TAG, TAG_BYTES, FrameMac
 from splitserve.transfer.transport import Buffer
 
-BLOB_FORMAT_VERSION = 1
+BLOB_FORMAT_VERSION = 2  # 2: HMAC-SHA256 tags under a per-transfer key replace xxh3_64
 MAGIC = b"SSKV"
-CHECKSUM = "xxh3_64"
-PRELUDE = struct.Struct("<4sBBHQQ")
+PRELUDE = struct.Struct(f"<4sBBHQ{TAG_BYTES}s")
 # Cap on header/trailer/reply bodies, checked before allocating (a 1M-token range has
 # 62.5K block hashes: ~1.1 MB of header).
-MAX_RECORD_BYTES = 16 << 20
-RECV_CHUNK = 1 << 20  # payloads are received and hashed chunk by chunk, while in cache (L2)
+MAX_RECORD_BYTES = 2 << 20
+RECV_CHUNK = 1 << 20  # payloads are received and MACed chunk by chunk, while in cache (L2)
 
 
 class FrameKind(IntEnum):
@@ -76,7 +78,7 @@ class BlobHeader:
     compression: Compression
     layer_nbytes: tuple[int, ...]  # wire bytes of each layer payload
     version: int = BLOB_FORMAT_VERSION
-    checksum: str = CHECKSUM
+    mac: str = MAC_NAME
 
     def check(self) -> None:
         """Internal consistency (not compatibility): BlobFormatError if malformed."""
@@ -84,8 +86,8 @@ class BlobHeader:
             raise BlobFormatError(f"KV blob format version {self.version} is not supported "
                                   f"(this build reads {BLOB_FORMAT_VERSION}); upgrade the "
                                   "older worker")
-        if self.checksum != CHECKSUM:
-            raise BlobFormatError(f"checksum algorithm {self.checksum!r} is not supported")
+        if self.mac != MAC_NAME:
+            raise BlobFormatError(f"MAC algorithm {self.mac!r} is not supported")
         if self.dtype not in DTYPES:
             raise BlobFormatError(f"KV dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         shape = self.layer_shape
@@ -135,7 +137,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "transfer_id": (str,), "fingerprint": (str,), "request_id": (str,),
     "namespace": (str, type(None)), "block_hashes": (list,), "start_token": (int,),
     "end_token": (int,), "num_layers": (int,), "layer_shape": (list,), "dtype": (str,),
-    "compression": (str,), "layer_nbytes": (list,), "version": (int,), "checksum": (str,),
+    "compression": (str,), "layer_nbytes": (list,), "version": (int,), "mac": (str,),
     "first_token_id": (int,), "outcome": (int,), "error_kind": (str, type(None)),
     "message": (str,), "validate_s": (float, int), "place_s": (float, int),
 }
@@ -183,18 +185,53 @@ def unpack_record(cls: type[R], body: Buffer) -> R:
 
 
 # -- frames ------------------------------------------------------------------------------------
-def frame(kind: FrameKind, parts: Sequence[Buffer], layer: int = 0) -> list[Buffer]:
-    """The prelude followed by `parts` (not joined: a transport gathers them)."""
-    hasher = xxhash.xxh3_64()
-    size = 0
-    for part in parts:
-        hasher.update(part)
-        size += len(memoryview(part).cast("B"))
-    return [PRELUDE.pack(MAGIC, kind, 0, layer, size, hasher.intdigest()), *parts]
+@dataclass(frozen=True, slots=True)
+class Prelude:
+    kind: int
+    layer: int
+    size: int
+    tag: bytes
 
 
-def record_frame(kind: FrameKind, record: BlobHeader | BlobTrailer | TransferReply) -> list[Buffer]:
-    return frame(kind, [pack_record(record)])
+def parse_prelude(data: Buffer) -> Prelude:
+    """The fields of a frame's prelude; BlobFormatError unless it is one of ours."""
+    magic, kind, flags, layer, size, tag = PRELUDE.unpack(data)
+    if magic != MAGIC or flags != 0:
+        raise BlobFormatError(f"bad frame prelude (magic {magic!r}, flags {flags}); the "
+                              "peer is not speaking the splitserve KV blob format")
+    return Prelude(kind, layer, size, tag)
+
+
+def check_record_prelude(prelude: Prelude, kind: FrameKind) -> None:
+    """A HEADER/TRAILER/REPLY prelude in its place, with a body under the cap (checked
+    before anything is allocated for the body)."""
+    if prelude.kind != kind or prelude.layer != 0:
+        raise BlobFormatError(f"expected a {kind.name} frame, got kind {prelude.kind} "
+                              f"(layer field {prelude.layer})")
+    if prelude.size > MAX_RECORD_BYTES:
+        raise BlobFormatError(f"{kind.name} frame claims {prelude.size} bytes "
+                              f"(> {MAX_RECORD_BYTES})")
+
+
+def parse_header(body: Buffer) -> BlobHeader:
+    """A well-formed header (not yet authenticated: its transfer id names the key)."""
+    header = unpack_record(BlobHeader, body)
+    header.check()
+    return header
+
+
+def frame(kind: FrameKind, parts: Sequence[Buffer], layer: int,
+          mac: FrameMac | None) -> list[Buffer]:
+    """The prelude followed by `parts` (not joined: a transport gathers them), tagged under
+    `mac` (None: untagged, only for refusals to a peer whose transfer has no known key)."""
+    size = sum(len(memoryview(part).cast("B")) for part in parts)
+    tag = NO_TAG if mac is None else mac.tag(kind, layer, size, parts)
+    return [PRELUDE.pack(MAGIC, kind, 0, layer, size, tag), *parts]
+
+
+def record_frame(kind: FrameKind, record: BlobHeader | BlobTrailer | TransferReply,
+                 mac: FrameMac | None) -> list[Buffer]:
+    return frame(kind, [pack_record(record)], 0, mac)
 
 
 class ByteSource(Protocol):
@@ -202,18 +239,26 @@ class ByteSource(Protocol):
 
 
 class BlobReader:
-    """Reads and validates one transfer's frames from a byte source, in stream order."""
+    """Reads and validates one transfer's frames from a byte source, in stream order,
+    checking each frame's tag under `mac` (set by `read_header` when not given)."""
 
-    def __init__(self, source: ByteSource) -> None:
-        self.source = source
+    def __init__(self, source: ByteSource, mac: FrameMac | None = None) -> None:
+        self.source, self.mac = source, mac
         self.num_bytes = 0  # wire bytes read so far
-        self.checksum_s = 0.0  # time spent checksumming layer payloads
+        self.mac_s = 0.0  # time spent authenticating layer payloads
         self._prelude = bytearray(PRELUDE.size)
         self._prelude_view = memoryview(self._prelude)
 
-    def read_header(self, deadline: float) -> BlobHeader:
-        header = self._read_record(FrameKind.HEADER, BlobHeader, deadline)
-        header.check()
+    def read_header(self, deadline: float, key: bytes) -> BlobHeader:
+        """The header, authenticated under `key` (the key of the transfer it names);
+        later frames are checked under the same key."""
+        prelude, body = self._read_raw(FrameKind.HEADER, deadline)
+        header = parse_header(body)
+        mac = FrameMac(key, header.transfer_id)
+        if not mac.verify(FrameKind.HEADER, 0, body, prelude.tag):
+            raise ChecksumMismatch(f"header of transfer {header.transfer_id} fails its "
+                                   "authentication tag: forged, or corrupted in transit")
+        self.mac = mac
         return header
 
     def read_trailer(self, header: BlobHeader, deadline: float) -> BlobTrailer:
@@ -225,24 +270,33 @@ class BlobReader:
         return trailer
 
     def read_reply(self, deadline: float) -> TransferReply:
-        return self._read_record(FrameKind.REPLY, TransferReply, deadline)
+        """The receiver's answer. An untagged (or wrongly tagged) answer is taken only when
+        it refuses: it can make a transfer fail, never make it count as delivered."""
+        prelude, body = self._read_raw(FrameKind.REPLY, deadline)
+        reply = unpack_record(TransferReply, body)
+        if reply.outcome != ReplyOutcome.REJECTED and (
+                self.mac is None or not self.mac.verify(FrameKind.REPLY, 0, body, prelude.tag)):
+            raise ChecksumMismatch(f"a {reply.outcome.name} reply for transfer "
+                                   f"{reply.transfer_id} fails its authentication tag: it "
+                                   "does not come from the receiver that issued the plan")
+        return reply
 
     def read_layer(self, header: BlobHeader, layer: int, deadline: float) -> torch.Tensor:
         """Layer `layer`'s [2, blocks, block_size, heads, dim] tensor in header.dtype."""
         nbytes = header.layer_nbytes[layer]
-        checksum = self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
+        tag = self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
         payload, view = empty_payload(nbytes)
-        hasher = xxhash.xxh3_64()
+        mac = self._mac().start(FrameKind.LAYER, layer, nbytes)
         for off in range(0, nbytes, RECV_CHUNK):
             chunk = view[off:off + RECV_CHUNK]
             self._recv(chunk, deadline)
             t0 = time.perf_counter()
-            hasher.update(chunk)
-            self.checksum_s += time.perf_counter() - t0
-        if hasher.intdigest() != checksum:
+            mac.update(chunk)
+            self.mac_s += time.perf_counter() - t0
+        if not FrameMac.matches(mac, tag):
             raise ChecksumMismatch(f"layer {layer} of transfer {header.transfer_id} fails its "
-                                   f"{CHECKSUM} checksum: corrupted in transit; retry the "
-                                   "transfer")
+                                   "authentication tag: corrupted in transit or forged; "
+                                   "retry the transfer")
         return decode_layer(payload, header.layer_shape, header.dtype, header.compression)
 
     def skip_layer(self, header: BlobHeader, layer: int, deadline: float) -> None:
@@ -254,37 +308,34 @@ class BlobReader:
         for off in range(0, nbytes, len(scratch)):
             self._recv(scratch[:min(len(scratch), nbytes - off)], deadline)
 
+    def _mac(self) -> FrameMac:
+        if self.mac is None:
+            raise BlobFormatError("no transfer key: a transfer's frames are read after its "
+                                  "authenticated header")
+        return self.mac
+
     def _read_record(self, kind: FrameKind, cls: type[R], deadline: float) -> R:
-        checksum, size = self._read_prelude_any(kind, deadline)
-        body = bytearray(size)
-        self._recv(memoryview(body), deadline)
-        if xxhash.xxh3_64_intdigest(body) != checksum:
-            raise ChecksumMismatch(f"{kind.name.lower()} frame fails its {CHECKSUM} checksum")
-        return unpack_record(cls, bytes(body))
+        prelude, body = self._read_raw(kind, deadline)
+        if not self._mac().verify(kind, 0, body, prelude.tag):
+            raise ChecksumMismatch(f"{kind.name.lower()} frame fails its authentication tag")
+        return unpack_record(cls, body)
 
-    def _read_prelude_any(self, kind: FrameKind, deadline: float) -> tuple[int, int]:
-        _, got_kind, _, layer, size, checksum = self._prelude_fields(deadline)
-        if got_kind != kind or layer != 0:
-            raise BlobFormatError(f"expected a {kind.name} frame, got kind {got_kind} "
-                                  f"(layer field {layer})")
-        if size > MAX_RECORD_BYTES:
-            raise BlobFormatError(f"{kind.name} frame claims {size} bytes (> {MAX_RECORD_BYTES})")
-        return checksum, size
-
-    def _read_prelude(self, kind: FrameKind, deadline: float, layer: int, size: int) -> int:
-        _, got_kind, _, got_layer, got_size, checksum = self._prelude_fields(deadline)
-        if (got_kind, got_layer, got_size) != (kind, layer, size):
-            raise BlobFormatError(f"expected {kind.name} frame {layer} of {size} bytes, got "
-                                  f"kind {got_kind} layer {got_layer} of {got_size} bytes")
-        return checksum
-
-    def _prelude_fields(self, deadline: float) -> tuple[bytes, int, int, int, int, int]:
+    def _read_raw(self, kind: FrameKind, deadline: float) -> tuple[Prelude, bytes]:
         self._recv(self._prelude_view, deadline)
-        magic, kind, flags, layer, size, checksum = PRELUDE.unpack(self._prelude)
-        if magic != MAGIC or flags != 0:
-            raise BlobFormatError(f"bad frame prelude (magic {magic!r}, flags {flags}); the "
-                                  "peer is not speaking the splitserve KV blob format")
-        return magic, kind, flags, layer, size, checksum
+        prelude = parse_prelude(self._prelude)
+        check_record_prelude(prelude, kind)
+        body = bytearray(prelude.size)
+        self._recv(memoryview(body), deadline)
+        return prelude, bytes(body)
+
+    def _read_prelude(self, kind: FrameKind, deadline: float, layer: int, size: int) -> bytes:
+        self._recv(self._prelude_view, deadline)
+        prelude = parse_prelude(self._prelude)
+        if (prelude.kind, prelude.layer, prelude.size) != (kind, layer, size):
+            raise BlobFormatError(f"expected {kind.name} frame {layer} of {size} bytes, got "
+                                  f"kind {prelude.kind} layer {prelude.layer} of "
+                                  f"{prelude.size} bytes")
+        return prelude.tag
 
     def _recv(self, buf: memoryview, deadline: float) -> None:
         self.source.recv_into(buf, deadline)
@@ -307,22 +358,24 @@ class BytesSource:
         self.offset = end
 
 
-def encode_blob(header: BlobHeader, layers: Sequence[list[Buffer]],
-                trailer: BlobTrailer) -> bytes:
-    """A whole blob as bytes; `layers` are each layer's payload parts (layer_codec)."""
-    frames = record_frame(FrameKind.HEADER, header)
+def encode_blob(header: BlobHeader, layers: Sequence[list[Buffer]], trailer: BlobTrailer,
+                key: bytes) -> bytes:
+    """A whole blob as bytes, tagged under `key`; `layers` are each layer's payload parts
+    (layer_codec)."""
+    mac = FrameMac(key, header.transfer_id)
+    frames = record_frame(FrameKind.HEADER, header, mac)
     for i, parts in enumerate(layers):
-        frames += frame(FrameKind.LAYER, parts, i)
-    frames += record_frame(FrameKind.TRAILER, trailer)
+        frames += frame(FrameKind.LAYER, parts, i, mac)
+    frames += record_frame(FrameKind.TRAILER, trailer, mac)
     return b"".join(bytes(memoryview(p).cast("B")) for p in frames)
 
 
-def decode_blob(data: Buffer) -> tuple[BlobHeader, list[torch.Tensor], BlobTrailer]:
-    """Parses and validates a whole blob; a typed KVTransferError if anything is wrong."""
+def decode_blob(data: Buffer, key: bytes) -> tuple[BlobHeader, list[torch.Tensor], BlobTrailer]:
+    """Parses and authenticates a whole blob; a typed KVTransferError if anything is wrong."""
     source = BytesSource(data)
     reader = BlobReader(source)
     deadline = float("inf")
-    header = reader.read_header(deadline)
+    header = reader.read_header(deadline, key)
     layers = [reader.read_layer(header, i, deadline) for i in range(header.num_layers)]
     trailer = reader.read_trailer(header, deadline)
     if source.offset != len(memoryview(data).cast("B")):

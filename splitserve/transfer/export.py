@@ -2,7 +2,7 @@
 engine thread copied out for it, and the send thread that streams them.
 
     KVSender (engine thread)             Export.run (send thread)
-    layer i copied -> jobs.put(layer) -> zero tail, encode, checksum, one write
+    layer i copied -> jobs.put(layer) -> zero tail, encode, MAC, one write
     first token    -> jobs.put(trailer) -> trailer, then the receiver's answer
     fail(error)    -> jobs.put(None) and channel.close(): wakes the send thread
 
@@ -25,6 +25,7 @@ from splitserve.errors import (BlobFormatError, KVTransferError, TransferCancell
 from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,
                                       ReplyOutcome, TransferReply, record_frame)
 from splitserve.transfer.handle import TransferHandle, TransferPlan
+from splitserve.transfer.mac import FrameMac
 from splitserve.transfer.packing import pack_layer
 from splitserve.transfer.telemetry import TransferTelemetry
 from splitserve.transfer.transport import (Buffer, Channel, ChannelSource, TransferState,
@@ -52,6 +53,7 @@ class Export:
     def __init__(self, plan: TransferPlan, header: BlobHeader, telemetry: TransferTelemetry,
                  deadline: float) -> None:
         self.plan, self.header = plan, header
+        self.mac = FrameMac(plan.key, plan.transfer_id)  # tags our frames, checks the replies
         self.handle = TransferHandle(plan.transfer_id, plan.request_id, telemetry)
         self.deadline = deadline  # transfer deadline == lease expiry of the held blocks
         self.jobs: queue.SimpleQueue[LayerJob | TrailerJob | None] = queue.SimpleQueue()
@@ -113,13 +115,13 @@ class Export:
                     return
                 accepted = True
             t0 = time.perf_counter()
-            parts = pack_layer(header, layer, job.kv)
+            parts = pack_layer(header, layer, job.kv, self.mac)
             tel.pack_s += time.perf_counter() - t0
             self._send(parts)
         job = self._next_job()
         assert isinstance(job, TrailerJob), "the trailer follows the last layer"
         self._send(record_frame(FrameKind.TRAILER, BlobTrailer(
-            header.transfer_id, header.num_layers, job.first_token_id)))
+            header.transfer_id, header.num_layers, job.first_token_id), self.mac))
         reply = reader.read_reply(deadline)
         if not accepted and reply.outcome == ReplyOutcome.ACCEPTED:
             reply = reader.read_reply(deadline)
@@ -130,12 +132,12 @@ class Export:
         """Takes a channel to the receiver (an idle one if the pool has it) and sends the
         header; False if the transfer ended meanwhile."""
         channel, reused = channels.acquire(self.plan.address, self.deadline)
-        self.channel, self.reader = channel, BlobReader(channel)
+        self.channel, self.reader = channel, BlobReader(channel, self.mac)
         if self.handle.poll().is_terminal:  # fail() missed the new channel: close it
             channel.close()
             return False
         self.handle.telemetry.reused_channel = reused
-        self._send(record_frame(FrameKind.HEADER, self.header))
+        self._send(record_frame(FrameKind.HEADER, self.header, self.mac))
         self.handle.mark_transferring()
         return True
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from splitserve.engine.output import RequestOutput
 from splitserve.errors import KVTransferError
+from splitserve.transfer.mac import check_key, new_key
 from splitserve.transfer.telemetry import TransferTelemetry
 from splitserve.transfer.transport import TransferState, TransferStatus
 
@@ -20,6 +21,8 @@ class TransferPlan:
 
     `[start_token, end_token)` is the receiver's import range: a prefix already cached on
     the receiver is not sent again. `timeout_s` bounds the whole transfer on each side.
+    `key` authenticates every frame of the transfer (mac.py): made fresh by the receiver
+    for each plan, it travels only in the control plane and is never printed.
     """
     transfer_id: str
     request_id: str
@@ -28,6 +31,10 @@ class TransferPlan:
     start_token: int
     end_token: int
     timeout_s: float
+    key: bytes = field(default_factory=new_key, repr=False)
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,6 +11,7 @@ from splitserve.engine.kv_connector import KVConnector, KVLayout
 from splitserve.transfer.blob import BlobHeader, BlobTrailer, FrameKind, frame, record_frame
 from splitserve.transfer.handle import TransferPlan
 from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, encode_layer, layer_nbytes
+from splitserve.transfer.mac import FrameMac
 from splitserve.transfer.transport import Buffer
 
 
@@ -35,28 +36,31 @@ def build_header(layout: KVLayout, plan: TransferPlan, namespace: str | None,
     return header
 
 
-def pack_layer(header: BlobHeader, layer: int, kv: torch.Tensor) -> list[Buffer]:
-    """One LAYER frame from a private copy `kv` of the layer's blocks (modified: the unused
-    slots of the last block are zeroed, so no stale bytes of another request leave)."""
+def pack_layer(header: BlobHeader, layer: int, kv: torch.Tensor, mac: FrameMac) -> list[Buffer]:
+    """One LAYER frame, tagged under `mac`, from a private copy `kv` of the layer's blocks
+    (modified: the unused slots of the last block are zeroed, so no stale bytes of another
+    request leave)."""
     num_blocks, block_size = header.layer_shape[1], header.layer_shape[2]
     num_valid = header.end_token - header.start_token - (num_blocks - 1) * block_size
     kv[:, -1, num_valid:] = 0
-    return frame(FrameKind.LAYER, encode_layer(kv, header.compression), layer)
+    return frame(FrameKind.LAYER, encode_layer(kv, header.compression), layer, mac)
 
 
 def held_blob_frames(engine: KVConnector, plan: TransferPlan, first_token_id: int, *,
                      namespace: str | None = None,
                      compression: Compression = Compression.NONE) -> list[bytes]:
     """Every frame (header, layers, trailer) of a transfer of a held request's KV, as
-    bytes: for tools and tests that drive a channel by hand. Engine thread."""
+    bytes, tagged under the plan's key: for tools and tests that drive a channel by hand.
+    Engine thread."""
     kv = engine.export_kv(plan.request_id)
     skip = plan.start_token // engine.kv_layout.block_size
     header = build_header(engine.kv_layout, plan, namespace, kv.block_hashes[skip:],
                           compression)
-    frames = [record_frame(FrameKind.HEADER, header)]
+    mac = FrameMac(plan.key, plan.transfer_id)
+    frames = [record_frame(FrameKind.HEADER, header, mac)]
     with torch.inference_mode():
-        frames += [pack_layer(header, i, engine.read_kv_layer(i, kv.block_ids[skip:]))
+        frames += [pack_layer(header, i, engine.read_kv_layer(i, kv.block_ids[skip:]), mac)
                    for i in range(header.num_layers)]
     frames.append(record_frame(FrameKind.TRAILER, BlobTrailer(
-        header.transfer_id, header.num_layers, first_token_id)))
+        header.transfer_id, header.num_layers, first_token_id), mac))
     return [b"".join(bytes(memoryview(p).cast("B")) for p in parts) for parts in frames]

@@ -1,20 +1,28 @@
-"""The decode side of a KV transfer: reserve blocks, validate every frame as it lands,
-place verified layers, and commit only when the whole range is verified.
+"""The decode side of a KV transfer: reserve blocks, authenticate and validate every frame
+as it lands, place verified layers, and commit only when the whole range is verified.
 
-    engine thread                         reader thread (one per incoming channel)
-    expect(rid) -> plan (blocks reserved)
-                                          header: fingerprint, request, namespace, range,
-                                                  block hashes, layout  -> reply ACCEPTED
-                                                  (or REJECTED, then the rest is dropped)
-                                          layer i: length, checksum -> verified queue
-    poll(): write_kv_layer(verified)      trailer: first token
-    poll(): all placed + trailer -> commit_kv     -> reply COMMITTED
-    poll(): error or deadline -> fail_kv          -> reply REJECTED (nothing committed)
+    engine thread                  gate thread (gate.py)      reader thread (per transfer)
+    expect(rid) -> plan (blocks
+      reserved, a fresh key)
+                                   whole HEADER frame -> its transfer's key, its tag
+                                   (unknown, forged: closed;
+                                    the import is untouched)
+                                                              header: fingerprint, request,
+                                                                namespace, range, block
+                                                                hashes, layout -> ACCEPTED
+                                                                (or REJECTED, rest dropped)
+                                                              layer i: length, tag -> queue
+    poll(): write_kv_layer(verified)                          trailer: tag, first token
+    poll(): all placed + trailer -> commit_kv                 -> reply COMMITTED
+    poll(): error or deadline -> fail_kv                      -> reply REJECTED (nothing
+                                                                 committed)
 
 Placed layers go into the request's reserved blocks, which nothing reads before
 `commit_kv` (the request is WAITING_FOR_KV and its blocks are not in the prefix cache), so
 a failure at any point leaves no trace: `fail_kv` returns them to the pool. Transfer ids
-are remembered after they finish, so a duplicate delivery is answered and ignored.
+(and keys) are remembered after they finish, so a duplicate delivery is answered and
+ignored. A header that fails its tag (someone without the plan's key, or corruption)
+closes its connection without claiming the import, so it cannot block the real sender.
 """
 from __future__ import annotations
 
@@ -23,23 +31,31 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import torch
 
 from splitserve.engine.kv_connector import KVConnector, KVRange
-from splitserve.errors import (FingerprintMismatch, HeaderMismatch, KVImportError,
-                               KVTransferError, TransferCancelled, TransferTimeout)
-from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,
-                                      ReplyOutcome, TransferReply, record_frame)
+from splitserve.errors import (ChecksumMismatch, FingerprintMismatch, HeaderMismatch,
+                               KVImportError, KVTransferError, TransferCancelled,
+                               TransferTimeout, WorkerFailed)
+from splitserve.transfer.blob import (PRELUDE, BlobHeader, BlobReader, BlobTrailer, FrameKind,
+                                      Prelude, ReplyOutcome, TransferReply, parse_header,
+                                      record_frame)
+from splitserve.transfer.gate import GateLimits, GateStats, HeaderGate
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, layer_nbytes
+from splitserve.transfer.mac import FrameMac, new_key
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
-from splitserve.transfer.transport import (RECEIVER_IDLE_S, Channel, Listener, TransferState,
-                                           scheme)
+from splitserve.transfer.transport import Channel, Listener, TransferState, scheme
 
 logger = logging.getLogger(__name__)
 
 REPLY_TIMEOUT_S = 5.0  # for sending a reply; the sender is waiting for it
+# A refusal sent from the gate thread must not wait on the peer: it goes out if the socket
+# takes it at once (a reply is ~100 bytes), else the connection is just closed.
+REFUSE_TIMEOUT_S = 0.05
+MAX_DRAINS = 16  # refused-but-authenticated transfers read and dropped at once (threads)
 
 
 class _Import:
@@ -77,21 +93,24 @@ class KVReceiver:
     """
 
     def __init__(self, engine: KVConnector, listener: Listener, *, header_timeout_s: float = 10.0,
-                 remember: int = 4096) -> None:
+                 remember: int = 4096, limits: GateLimits | None = None) -> None:
         self.engine, self.listener = engine, listener
-        self.header_timeout_s = header_timeout_s
+        limits = limits or GateLimits(header_timeout_s=header_timeout_s)
+        self.header_timeout_s = limits.header_timeout_s
         self._remember = remember
         self._imports: dict[str, _Import] = {}  # transfer id -> active import
-        # Verdicts of finished transfers, by id (small records: dedup must not pin outputs).
-        self._recent: OrderedDict[str, TransferReply] = OrderedDict()
+        # Verdicts and keys of finished transfers, by id (small: dedup must not pin outputs;
+        # the key authenticates a repeat delivery before it is answered and drained).
+        self._recent: OrderedDict[str, tuple[TransferReply, bytes]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._activity = threading.Event()  # set by readers when poll() has work
-        self._channels: set[Channel] = set()  # open incoming channels (busy or idle)
+        self._busy: set[Channel] = set()  # channels being read by a thread of ours
+        self._num_drains = 0
+        self.num_forged = 0  # headers that failed authentication
         self._kv_dtype = DTYPE_NAMES[engine.kv_layout.dtype]
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name="kv-accept")
-        self._accept_thread.start()
+        self._gate = HeaderGate(listener, self._on_header, limits)
+        self._gate.start()
 
     @property
     def address(self) -> str:
@@ -110,7 +129,7 @@ class KVReceiver:
         if target is None:
             return None
         plan = TransferPlan(uuid.uuid4().hex, request_id, namespace, self.address,
-                            target.start_token, target.end_token, timeout_s)
+                            target.start_token, target.end_token, timeout_s, key=new_key())
         telemetry = TransferTelemetry(plan.transfer_id, request_id, scheme(plan.address),
                                       TransferSide.RECEIVER,
                                       num_tokens=target.end_token - target.start_token)
@@ -127,7 +146,19 @@ class KVReceiver:
 
     def poll(self) -> list[TransferHandle]:
         """Places verified layers, commits complete imports, fails broken or late ones
-        (releasing their blocks). Returns the handles that finished since the last call."""
+        (releasing their blocks). Returns the handles that finished since the last call.
+        WorkerFailed if the listener stopped (gate.py): this receiver gets no more KV."""
+        if self._gate.failure is not None:
+            raise WorkerFailed(f"the KV listener at {self.address} stopped "
+                               f"({self._gate.failure!r}); no KV can reach this worker")
+        return self._poll()
+
+    @property
+    def stats(self) -> GateStats:
+        """The listener's connection counts (held, busy, evicted, ...)."""
+        return self._gate.stats
+
+    def _poll(self) -> list[TransferHandle]:
         self._activity.clear()  # before looking: later reader events set it again
         now = time.monotonic()
         finished = []
@@ -162,15 +193,14 @@ class KVReceiver:
     def close(self) -> None:
         """Stops listening, fails every open import (releasing blocks) and stops threads."""
         self._closed.set()
-        self.listener.close()
+        self._gate.close()  # stops accepting; closes the idle channels it holds
         for imp in list(self._imports.values()):
             imp.fail(TransferCancelled("the KV receiver was closed"), close=True)
         with self._lock:
-            channels = list(self._channels)
+            channels = list(self._busy)
         for channel in channels:
-            channel.close()  # wakes readers waiting on idle channels
-        self.poll()
-        self._accept_thread.join(timeout=5)
+            channel.close()  # wakes their readers
+        self._poll()
 
     def _place(self, imp: _Import) -> None:
         t0 = time.perf_counter()
@@ -187,45 +217,102 @@ class KVReceiver:
     def _retire(self, imp: _Import) -> None:
         with self._lock:
             self._imports.pop(imp.plan.transfer_id, None)
-            self._recent[imp.plan.transfer_id] = self._verdict(imp.handle, ReplyOutcome.DUPLICATE)
+            self._recent[imp.plan.transfer_id] = (
+                self._verdict(imp.handle, ReplyOutcome.DUPLICATE), imp.plan.key)
             while len(self._recent) > self._remember:
                 self._recent.popitem(last=False)
         imp.settled.set()
 
-    # -- network threads ----------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            channel = self.listener.accept(time.monotonic() + 0.2)
-            if channel is not None:
-                threading.Thread(target=self._serve, args=(channel,), daemon=True,
-                                 name="kv-recv").start()
-
-    def _serve(self, channel: Channel) -> None:
-        """Receives transfers on one channel, one after another, until the sender closes
-        it, it stays idle for RECEIVER_IDLE_S, or a transfer on it fails."""
-        with self._lock:
-            self._channels.add(channel)
+    # -- network side ---------------------------------------------------------------------------
+    def _on_header(self, channel: Channel, prelude: Prelude, body: bytes) -> None:
+        """Gate thread, so it never blocks: a whole HEADER frame arrived on `channel`.
+        Authenticated under its transfer's key, it gets a thread (to receive the transfer,
+        or to answer a repeat and drain it); anything else is refused and closed."""
         try:
-            deadline = time.monotonic() + self.header_timeout_s
-            while not self._closed.is_set() and self._receive(channel, deadline):
-                deadline = time.monotonic() + RECEIVER_IDLE_S
+            header = parse_header(body)
+        except KVTransferError as exc:
+            return self._refuse(channel, "", exc)
+        tid = header.transfer_id
+        with self._lock:
+            imp, done = self._imports.get(tid), self._recent.get(tid)
+        key = imp.plan.key if imp is not None else done[1] if done is not None else None
+        if key is None:
+            return self._refuse(channel, tid, HeaderMismatch(
+                f"no import is expected for transfer {tid} (unknown, or its deadline passed "
+                "long ago)"))
+        mac = FrameMac(key, tid)
+        if not mac.verify(FrameKind.HEADER, 0, body, prelude.tag):
+            self.num_forged += 1
+            logger.warning("a KV header for transfer %s failed authentication (no key, or "
+                           "corrupted); connection closed, import untouched", tid)
+            return self._refuse(channel, tid, ChecksumMismatch(
+                f"header of transfer {tid} fails its authentication tag"))
+        reader = BlobReader(channel, mac)
+        reader.num_bytes = PRELUDE.size + len(body)  # the header, read by the gate
+        with self._lock:
+            claimed = (imp is not None and self._imports.get(tid) is imp
+                       and imp.channel is None and imp.error is None)
+            drains = self._num_drains
+            if claimed:
+                imp.channel = channel  # type: ignore[union-attr]
+            elif drains < MAX_DRAINS:
+                self._num_drains += 1
+            if claimed or drains < MAX_DRAINS:
+                self._busy.add(channel)
+        if claimed:
+            assert imp is not None
+            self._spawn(self._serve, channel, reader, imp, header)
+        elif drains >= MAX_DRAINS:
+            self._refuse(channel, tid, KVTransferError("too many refused transfers are being "
+                                                       "drained; retry later"))
+        elif imp is not None:  # a second delivery while the first is in flight
+            self._spawn(self._answer_and_drain, channel, reader, header, TransferReply(
+                tid, ReplyOutcome.REJECTED, "DuplicateTransfer",
+                "this transfer is already being received; duplicate ignored"))
+        else:  # finished: DUPLICATE if it was committed, else REJECTED
+            assert done is not None
+            self._spawn(self._answer_and_drain, channel, reader, header, done[0])
+
+    def _spawn(self, target: Callable[..., None], channel: Channel, *args: object) -> None:
+        threading.Thread(target=target, args=(channel, *args), daemon=True,
+                         name="kv-recv").start()
+
+    def _serve(self, channel: Channel, reader: BlobReader, imp: _Import,
+               header: BlobHeader) -> None:
+        keep = False
+        try:
+            keep = self._receive(channel, reader, imp, header)
         finally:
             with self._lock:
-                self._channels.discard(channel)
-            channel.close()
+                self._busy.discard(channel)
+            self._gate.finished(channel, keep and not self._closed.is_set())
 
-    def _receive(self, channel: Channel, header_deadline: float) -> bool:
-        """Serves one transfer. True when it ended in step with the sender (committed, or
-        refused at its header and drained), so that the channel can carry the next one."""
-        reader = BlobReader(channel)
-        imp: _Import | None = None
-        header: BlobHeader | None = None
+    def _answer_and_drain(self, channel: Channel, reader: BlobReader, header: BlobHeader,
+                          reply: TransferReply) -> None:
+        keep = False
+        try:
+            self._send_reply(channel, reply, reader.mac)
+            keep = self._drain(reader, header)
+        finally:
+            with self._lock:
+                self._busy.discard(channel)
+                self._num_drains -= 1
+            self._gate.finished(channel, keep and not self._closed.is_set())
+
+    def _refuse(self, channel: Channel, transfer_id: str, error: KVTransferError) -> None:
+        """Gate thread: an untagged REJECTED if the socket takes it at once; closed."""
+        self._send_reply(channel, TransferReply(transfer_id, ReplyOutcome.REJECTED,
+                                                type(error).__name__, str(error)),
+                         None, REFUSE_TIMEOUT_S)
+        self._gate.finished(channel, keep=False)
+
+    def _receive(self, channel: Channel, reader: BlobReader, imp: _Import,
+                 header: BlobHeader) -> bool:
+        """Receives the transfer this channel claimed with its authenticated header. True
+        when it ended in step with the sender (committed, or refused at its header and
+        drained), so that the channel can carry the next one."""
         accepted = False
         try:
-            header = reader.read_header(header_deadline)
-            imp = self._claim(header.transfer_id, channel)
-            if imp is None:  # a duplicate or unknown transfer, answered at its header
-                return self._drain(reader, header)
             tel = imp.handle.telemetry
             t0 = time.perf_counter()
             self._check_header(imp, header)
@@ -236,7 +323,7 @@ class KVReceiver:
             imp.handle.mark_transferring()  # before answering: the peer may be quick
             wire_start = time.monotonic()
             channel.send(record_frame(FrameKind.REPLY, TransferReply(
-                header.transfer_id, ReplyOutcome.ACCEPTED)), imp.deadline)
+                header.transfer_id, ReplyOutcome.ACCEPTED), reader.mac), imp.deadline)
             accepted = True
             for layer in range(header.num_layers):
                 kv = reader.read_layer(header, layer, imp.deadline)
@@ -246,29 +333,24 @@ class KVReceiver:
             self._activity.set()
             tel.wire_s = time.monotonic() - wire_start
             tel.wire_bytes = reader.num_bytes
-            tel.validate_s += reader.checksum_s
+            tel.validate_s += reader.mac_s
         except KVTransferError as exc:
-            if imp is None:  # nothing claimed: answer this channel only
-                self._send_reply(channel, TransferReply(
-                    "", ReplyOutcome.REJECTED, type(exc).__name__, str(exc)))
-                return False
             imp.fail(exc, close=False)
         except Exception as exc:  # a bug: fail the import, never hang it
             logger.exception("KV receive failed")
-            if imp is None:
-                return False
             imp.fail(KVTransferError(f"internal error while receiving: {exc!r}"), close=False)
         else:  # the trailer arrived: wait for the engine thread's verdict
             imp.settled.wait(max(0.0, imp.deadline - time.monotonic()) + 1.0)
             verdict = self._verdict(imp.handle, ReplyOutcome.COMMITTED)
-            self._send_reply(channel, verdict)
+            self._send_reply(channel, verdict, reader.mac)
             return verdict.outcome == ReplyOutcome.COMMITTED
         self._activity.set()
         # Failed: reply at once (nothing can commit any more: the error is set).
-        assert imp is not None and imp.error is not None
+        assert imp.error is not None
         self._send_reply(channel, TransferReply(imp.plan.transfer_id, ReplyOutcome.REJECTED,
-                                                type(imp.error).__name__, str(imp.error)))
-        return header is not None and not accepted and self._drain(reader, header)
+                                                type(imp.error).__name__, str(imp.error)),
+                         reader.mac)
+        return not accepted and self._drain(reader, header)
 
     def _drain(self, reader: BlobReader, header: BlobHeader) -> bool:
         """Reads and drops the rest of a transfer refused at its header (its sender streams
@@ -283,28 +365,6 @@ class KVReceiver:
             return True
         except KVTransferError:
             return False
-
-    def _claim(self, transfer_id: str, channel: Channel) -> _Import | None:
-        """The import this channel delivers; None (after replying) for duplicates and
-        transfers nobody expects."""
-        with self._lock:
-            imp = self._imports.get(transfer_id)
-            if imp is not None and imp.channel is None and imp.error is None:
-                imp.channel = channel
-                return imp
-            done = self._recent.get(transfer_id)
-        if imp is not None:
-            reply = TransferReply(transfer_id, ReplyOutcome.REJECTED, "DuplicateTransfer",
-                                  "this transfer is already being received; duplicate ignored")
-        elif done is not None:
-            self._send_reply(channel, done)  # DUPLICATE if it was committed, else REJECTED
-            return None
-        else:
-            reply = TransferReply(transfer_id, ReplyOutcome.REJECTED, HeaderMismatch.__name__,
-                                  f"no import is expected for transfer {transfer_id} "
-                                  "(unknown, or its deadline passed)")
-        self._send_reply(channel, reply)
-        return None
 
     def _check_header(self, imp: _Import, header: BlobHeader) -> None:
         """Compatibility of a well-formed header with this engine and this import."""
@@ -348,8 +408,9 @@ class KVReceiver:
                              str(error))
 
     @staticmethod
-    def _send_reply(channel: Channel, reply: TransferReply) -> None:
+    def _send_reply(channel: Channel, reply: TransferReply, mac: FrameMac | None,
+                    timeout_s: float = REPLY_TIMEOUT_S) -> None:
         try:
-            channel.send(record_frame(FrameKind.REPLY, reply), time.monotonic() + REPLY_TIMEOUT_S)
+            channel.send(record_frame(FrameKind.REPLY, reply, mac), time.monotonic() + timeout_s)
         except KVTransferError:
             pass  # the sender is gone or stalled; its own deadline ends its side

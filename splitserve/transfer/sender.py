@@ -2,7 +2,7 @@
 the engine still computes, and hold its blocks under a lease until the receiver answers.
 
     engine thread (forward pass)            send thread (one per transfer)
-    layer i done -> read_kv_layer (copy) --> zero tail, encode, checksum, one write
+    layer i done -> read_kv_layer (copy) --> zero tail, encode, MAC, one write
     step returns -> poll(outputs)        --> trailer(first token), wait for the reply
     poll(): reply or lease expiry        --> release_kv, exactly once
 

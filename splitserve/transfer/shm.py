@@ -8,7 +8,11 @@ and credits through a Unix socket.
 
 The connector creates both rings with `memfd_create` and passes their descriptors over the
 Unix socket (SCM_RIGHTS): no names in /dev/shm to leak, and the memory goes away with the
-last process that maps it. Each side copies its bytes into its outgoing ring and posts
+last process that maps it. It seals each ring's size once set (F_SEAL_SHRINK | GROW |
+SEAL), and the acceptor maps only sealed memfds of the announced, bounded size: a peer
+that could shrink a ring under the reader would crash it with SIGBUS at the next copy.
+Who may connect at all is the socket's file permissions: by default it lives in a private
+(0700) directory, so only processes of the same user reach it. Each side copies its bytes into its outgoing ring and posts
 `DATA(n)` (cumulative bytes written); the reader copies out and posts `CREDIT(n)`
 (cumulative bytes read); a writer blocks while the ring is full. Counters are cumulative,
 so messages are idempotent and need no acknowledgement. Doorbells are batched, since each
@@ -26,10 +30,12 @@ them.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -38,8 +44,9 @@ from collections.abc import Sequence
 
 from splitserve.errors import (BlobFormatError, TransferRejected, TransferTimeout,
                                TruncatedTransfer)
-from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, close_socket,
-                                           register_transport, remaining)
+from splitserve.transfer.transport import (LISTEN_BACKLOG, Buffer, Channel, Listener,
+                                           Transport, close_socket, register_transport,
+                                           remaining)
 
 DATA_RING_BYTES = 4 << 20  # connector -> acceptor (the KV direction); stays in cache
 REPLY_RING_BYTES = 1 << 20  # acceptor -> connector (replies)
@@ -53,6 +60,10 @@ CHUNK = 256 << 10
 # also waits for the next transfer, which may be far off, so it sleeps sooner.
 CONNECTOR_SPIN_S = 1e-3
 ACCEPTOR_SPIN_S = 200e-6
+# Ring sizes an acceptor maps (an empty ring breaks the ring arithmetic; a huge one is
+# address space a peer should not make us pin).
+MIN_RING_BYTES, MAX_RING_BYTES = mmap.PAGESIZE, 256 << 20
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _HELLO = struct.Struct("<4sQQ")  # magic, connector->acceptor ring bytes, reverse ring bytes
 _HELLO_MAGIC = b"SSHM"
 _CTL = struct.Struct("<BQ")  # kind, cumulative byte count
@@ -76,17 +87,23 @@ class ShmChannel(Channel):
         if rings is not None:  # connector: (data, reply); the acceptor maps them on first use
             self._out, self._in = memoryview(rings[0]), memoryview(rings[1])
 
-    def _handshake(self, deadline: float) -> None:
+    def _handshake(self, deadline: float | None) -> bool:
         """Acceptor side: receive the rings' descriptors (lazily, on first use, so `accept`
-        never waits on a slow peer)."""
+        never waits on a slow peer). `deadline` None: only if they already arrived (False
+        if not)."""
         try:
-            self._sock.settimeout(remaining(deadline, "shared-memory handshake"))
+            self._sock.settimeout(0.0 if deadline is None
+                                  else remaining(deadline, "shared-memory handshake"))
             msg, fds, _, _ = socket.recv_fds(self._sock, _HELLO.size, 2)
+        except BlockingIOError:
+            return False
         except TimeoutError:
             raise TransferTimeout("shared-memory handshake passed its deadline") from None
         except OSError as exc:
             raise TruncatedTransfer(f"shared-memory handshake failed: {exc}") from None
         try:
+            if not msg:
+                raise TruncatedTransfer("shared-memory peer closed before its handshake")
             if len(msg) != _HELLO.size or len(fds) != 2:
                 raise BlobFormatError("bad shared-memory handshake (not a splitserve peer?)")
             magic, to_me, to_peer = _HELLO.unpack(msg)
@@ -96,6 +113,7 @@ class ShmChannel(Channel):
         finally:
             for fd in fds:
                 os.close(fd)
+        return True
 
     # -- byte stream ------------------------------------------------------------------------
     def send(self, parts: Sequence[Buffer], deadline: float) -> None:
@@ -126,28 +144,53 @@ class ShmChannel(Channel):
     def recv_into(self, buf: memoryview, deadline: float) -> None:
         if self._in is None:
             self._handshake(deadline)
-        assert self._in is not None
         buf = buf.cast("B") if buf.format != "B" else buf
-        size = len(self._in)
         filled = 0
         while filled < len(buf):
-            avail = self._available - self._consumed
-            if avail == 0:
+            if self._available == self._consumed:
                 if self._peer_gone:
                     raise TruncatedTransfer(f"shared-memory peer closed the stream after "
                                             f"{filled} of {len(buf)} bytes of a frame")
                 self._pump(deadline, "shared-memory receive")
                 continue
-            n = min(avail, len(buf) - filled)
-            pos = self._consumed % size
-            first = min(n, size - pos)
-            buf[filled:filled + first] = self._in[pos:pos + first]
-            if n > first:
-                buf[filled + first:filled + n] = self._in[:n - first]
-            self._consumed += n
-            filled += n
-            if self._consumed - self._told_consumed >= size // 4:
-                self._tell_consumed()
+            filled += self._copy_out(buf[filled:])
+
+    def fileno(self) -> int | None:
+        return None if self._closed else self._sock.fileno()
+
+    def recv_nowait(self, buf: memoryview) -> int:
+        if self._in is None and not self._handshake(None):
+            return 0
+        if self._available == self._consumed and not self._peer_gone:
+            try:  # doorbells that already arrived
+                self._sock.settimeout(0.0)
+                while data := self._sock.recv(4096):
+                    self._apply(data)
+                self._peer_gone = True
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._peer_gone = True
+        if self._available == self._consumed:
+            if self._peer_gone:
+                raise TruncatedTransfer("shared-memory peer closed the stream")
+            return 0
+        return self._copy_out(buf)
+
+    def _copy_out(self, buf: memoryview) -> int:
+        """Copies what the ring holds (up to len(buf)) into buf: the count."""
+        assert self._in is not None
+        size = len(self._in)
+        n = min(self._available - self._consumed, len(buf))
+        pos = self._consumed % size
+        first = min(n, size - pos)
+        buf[:first] = self._in[pos:pos + first]
+        if n > first:
+            buf[first:n] = self._in[:n - first]
+        self._consumed += n
+        if self._consumed - self._told_consumed >= size // 4:
+            self._tell_consumed()
+        return n
 
     def close(self) -> None:
         with self._close_lock:
@@ -228,10 +271,15 @@ class ShmChannel(Channel):
         self._ctl_buf += data
         whole = len(self._ctl_buf) - len(self._ctl_buf) % _CTL.size
         for kind, total in _CTL.iter_unpack(bytes(self._ctl_buf[:whole])):
-            if kind == _DATA:
+            # A peer that claims more than it wrote, or credits what it was never sent,
+            # breaks the ring's arithmetic (a copy past the ring's end): refused.
+            if kind == _DATA and total - self._consumed <= len(self._in or b""):
                 self._available = max(self._available, total)
-            elif kind == _CREDIT:
+            elif kind == _CREDIT and total <= self._written:
                 self._credited = max(self._credited, total)
+            elif kind in (_DATA, _CREDIT):
+                raise BlobFormatError(f"shared-memory peer announced {total} bytes, beyond "
+                                      "what its ring can hold")
             else:
                 raise BlobFormatError(f"unknown shared-memory control message {kind}")
         del self._ctl_buf[:whole]
@@ -243,20 +291,26 @@ class ShmListener(Listener):
         self._path = path or os.path.join(self._dir or "", "kv.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self._path)
-        self._sock.listen(64)
+        self._sock.listen(LISTEN_BACKLOG)
         self.address = f"shm://{self._path}"
         self._closed = False
 
     def accept(self, deadline: float) -> Channel | None:
-        left = deadline - time.monotonic()
-        if self._closed or left <= 0:
+        if self._closed:
             return None
         try:
-            self._sock.settimeout(left)
+            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
             conn, _ = self._sock.accept()
-        except (TimeoutError, OSError):
+        except (TimeoutError, BlockingIOError, ConnectionAbortedError):
             return None
+        except OSError:
+            if self._closed:
+                return None
+            raise  # EMFILE and friends: the caller must know (gate.py backs off)
         return ShmChannel(conn)
+
+    def fileno(self) -> int | None:
+        return None if self._closed else self._sock.fileno()
 
     def close(self) -> None:
         if self._closed:
@@ -297,8 +351,7 @@ class ShmTransport(Transport):
         fds: list[int] = []
         try:
             for name, size in (("data", self.data_ring_bytes), ("reply", self.reply_ring_bytes)):
-                fds.append(os.memfd_create(f"splitserve-kv-{name}"))
-                os.ftruncate(fds[-1], size)
+                fds.append(new_ring(f"splitserve-kv-{name}", size))
             rings = (mmap.mmap(fds[0], self.data_ring_bytes),
                      mmap.mmap(fds[1], self.reply_ring_bytes))
             socket.send_fds(sock, [_HELLO.pack(_HELLO_MAGIC, self.data_ring_bytes,
@@ -312,11 +365,35 @@ class ShmTransport(Transport):
         return ShmChannel(sock, rings)
 
 
+def new_ring(name: str, size: int) -> int:
+    """Connector: a memfd of `size` bytes whose size is sealed (it can never shrink or
+    grow, and the seals cannot be lifted)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _map(fd: int, size: int) -> memoryview:
-    """Acceptor: a view of the memfd `fd`, which must have `size` bytes."""
-    actual = os.fstat(fd).st_size
-    if actual != size:
-        raise BlobFormatError(f"shared-memory ring has {actual} bytes, the handshake said {size}")
+    """Acceptor: a view of the memfd `fd`, which must be sealed and have `size` bytes."""
+    if not MIN_RING_BYTES <= size <= MAX_RING_BYTES:
+        raise BlobFormatError(f"shared-memory ring of {size} bytes is outside "
+                              f"[{MIN_RING_BYTES}, {MAX_RING_BYTES}]")
+    info = os.fstat(fd)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a memfd (a pipe, a file elsewhere): no seals to check
+        seals = 0
+    if not stat.S_ISREG(info.st_mode) or seals & _SEALS != _SEALS:
+        raise BlobFormatError("shared-memory ring is not a sealed memfd: its size could "
+                              "change under the reader; refused")
+    if info.st_size != size:
+        raise BlobFormatError(f"shared-memory ring has {info.st_size} bytes, the handshake "
+                              f"said {size}")
     return memoryview(mmap.mmap(fd, size))
 
 

@@ -15,8 +15,9 @@ import time
 from collections.abc import Sequence
 
 from splitserve.errors import TransferRejected, TransferTimeout, TruncatedTransfer
-from splitserve.transfer.transport import (Buffer, Channel, Listener, Transport, close_socket,
-                                           register_transport, remaining)
+from splitserve.transfer.transport import (LISTEN_BACKLOG, Buffer, Channel, Listener,
+                                           Transport, close_socket, register_transport,
+                                           remaining)
 
 # Largest single recv: big enough to amortize the syscall, small enough that the receiver
 # checksums bytes while they are still in cache (blob.py hashes each chunk as it lands).
@@ -85,6 +86,21 @@ class TcpChannel(Channel):
             self._closed = True
         close_socket(self._sock)  # wakes a thread blocked on it
 
+    def fileno(self) -> int | None:
+        return None if self._closed else self._sock.fileno()
+
+    def recv_nowait(self, buf: memoryview) -> int:
+        try:
+            self._sock.settimeout(0.0)
+            n = self._sock.recv_into(buf, min(len(buf), RECV_CHUNK))
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise TruncatedTransfer(f"TCP receive failed: {exc}") from None
+        if n == 0 and len(buf):
+            raise TruncatedTransfer("TCP peer closed the stream")
+        return n
+
     def is_quiet(self) -> bool:
         if self._closed:
             return False
@@ -104,7 +120,7 @@ class TcpListener(Listener):
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
-        self._sock.listen(64)
+        self._sock.listen(LISTEN_BACKLOG)
         bound_host, bound_port = self._sock.getsockname()[:2]
         self.address = f"tcp://{bound_host}:{bound_port}"
         self._closed = False
@@ -112,15 +128,19 @@ class TcpListener(Listener):
     def accept(self, deadline: float) -> Channel | None:
         if self._closed:
             return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
         try:
-            self._sock.settimeout(left)
+            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
             conn, _ = self._sock.accept()
-        except (TimeoutError, OSError):
-            return None  # timed out, or closed from another thread
+        except (TimeoutError, BlockingIOError, ConnectionAbortedError):
+            return None
+        except OSError:
+            if self._closed:
+                return None  # closed from another thread
+            raise  # EMFILE and friends: the caller must know (gate.py backs off)
         return TcpChannel(conn)
+
+    def fileno(self) -> int | None:
+        return None if self._closed else self._sock.fileno()
 
     def close(self) -> None:
         self._closed = True

@@ -83,6 +83,18 @@ class Channel(ABC):
         reused, and its senders read the header's answer at the first layer."""
         return False
 
+    def fileno(self) -> int | None:
+        """A descriptor that polls readable when `recv_nowait` has something to do (bytes,
+        a handshake, the end of the stream), or None: then a receiver reads the channel's
+        header on a thread of its own (fine for peers in this process only, see gate.py)."""
+        return None
+
+    def recv_nowait(self, buf: memoryview) -> int:
+        """Fills a prefix of `buf` with what already arrived, without blocking: the number
+        of bytes (0: nothing yet). TruncatedTransfer once the stream ended. Only for
+        channels with a `fileno`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be read without blocking")
+
 
 class Listener(ABC):
     """A receiver's endpoint: peers connect to `address`."""
@@ -90,7 +102,13 @@ class Listener(ABC):
 
     @abstractmethod
     def accept(self, deadline: float) -> Channel | None:
-        """The next incoming channel, or None if none arrived by `deadline`."""
+        """The next incoming channel, or None if none arrived by `deadline` (a deadline
+        already passed: one attempt that does not wait). OSError for a failure that is not
+        a timeout or the listener's close (e.g. EMFILE: out of descriptors)."""
+
+    def fileno(self) -> int | None:
+        """A descriptor that polls readable when `accept` has a channel, or None."""
+        return None
 
     @abstractmethod
     def close(self) -> None:
@@ -115,6 +133,10 @@ class Transport(ABC):
 # not closed under its next transfer (unless the receiver died, which the sender sees).
 MAX_IDLE_S = 60.0
 RECEIVER_IDLE_S = 5 * MAX_IDLE_S
+# Connections the kernel completes before a listener accepts them (capped by
+# net.core.somaxconn): room for a burst (say, 2,000 idle connections opened at once), so a
+# real sender's handshake is not dropped and retried a second later while the gate catches up.
+LISTEN_BACKLOG = 1024
 
 
 class ChannelSource(Protocol):

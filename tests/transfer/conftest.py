@@ -14,9 +14,11 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.output import RequestOutput
 from splitserve.errors import TruncatedTransfer
-from splitserve.transfer.blob import BlobReader, ReplyOutcome, TransferReply
+from splitserve.transfer.blob import (PRELUDE, BlobReader, ReplyOutcome, TransferReply,
+                                      parse_header)
 from splitserve.transfer.handle import TransferHandle, TransferPlan
 from splitserve.transfer.layer_codec import Compression
+from splitserve.transfer.mac import FrameMac
 from splitserve.transfer.packing import held_blob_frames
 from splitserve.transfer.receiver import KVReceiver
 from splitserve.transfer.sender import KVSender
@@ -153,10 +155,20 @@ def prefill_frames(pair: Pair, plan: TransferPlan, prompt: list[int] = PROMPT, *
     return frames
 
 
+def sender_mac(pair: Pair, header_frame: bytes) -> FrameMac | None:
+    """What the sender of `header_frame` would check B's replies with: the key of the
+    plan B issued for its transfer id (None if B issued none)."""
+    tid = parse_header(header_frame[PRELUDE.size:]).transfer_id
+    imp, done = pair.receiver._imports.get(tid), pair.receiver._recent.get(tid)
+    key = imp.plan.key if imp is not None else done[1] if done is not None else None
+    return None if key is None else FrameMac(key, tid)
+
+
 def deliver(pair: Pair, transport: str, frames: list[bytes], *,
             read_reply: bool = True) -> TransferReply | None:
     """Writes raw frames to B's receiver on a fresh channel (not waiting for the header's
-    answer); B's final reply if asked for."""
+    answer); B's final reply if asked for (checked as the plan's sender would)."""
+    mac = sender_mac(pair, frames[0]) if read_reply else None
     chan = get_transport(transport).connect(pair.receiver.address, time.monotonic() + DEADLINE_S)
     try:
         try:
@@ -165,7 +177,7 @@ def deliver(pair: Pair, transport: str, frames: list[bytes], *,
             pass  # B rejected mid-stream and closed; its reply may still be readable
         if not read_reply:
             return None
-        reader = BlobReader(chan)
+        reader = BlobReader(chan, mac)
         reply = reader.read_reply(time.monotonic() + DEADLINE_S)
         if reply.outcome == ReplyOutcome.ACCEPTED:
             reply = reader.read_reply(time.monotonic() + DEADLINE_S)

@@ -1,5 +1,6 @@
 """The blob format: encode/decode round-trips exactly, and every corruption, truncation or
-extension of a valid blob raises a typed KVTransferError (never wrong data)."""
+extension of a valid blob, and every frame not tagged under the transfer's key, raises a
+typed KVTransferError (never wrong data)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +21,9 @@ from splitserve.transfer.blob import (MAX_RECORD_BYTES, PRELUDE, BlobHeader, Blo
                                       record_frame, unpack_record)
 from splitserve.transfer.layer_codec import (DTYPES, Compression, decode_layer, encode_layer,
                                              layer_nbytes)
+from splitserve.transfer.mac import NO_TAG, FrameMac, new_key
+
+KEY = new_key()
 
 
 @st.composite
@@ -49,14 +53,15 @@ def blobs(draw: st.DrawFn) -> tuple[BlobHeader, list[torch.Tensor], BlobTrailer]
 
 
 def _encode(header: BlobHeader, layers: list[torch.Tensor], trailer: BlobTrailer) -> bytes:
-    return encode_blob(header, [encode_layer(kv, header.compression) for kv in layers], trailer)
+    return encode_blob(header, [encode_layer(kv, header.compression) for kv in layers], trailer,
+                       KEY)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(blobs())
 def test_round_trip(blob: tuple[BlobHeader, list[torch.Tensor], BlobTrailer]) -> None:
     header, layers, trailer = blob
-    got_header, got_layers, got_trailer = decode_blob(_encode(header, layers, trailer))
+    got_header, got_layers, got_trailer = decode_blob(_encode(header, layers, trailer), KEY)
     assert got_header == header and got_trailer == trailer
     for kv, got in zip(layers, got_layers):
         assert got.dtype == kv.dtype and got.shape == kv.shape
@@ -80,7 +85,7 @@ def test_any_corruption_is_detected(blob: tuple[BlobHeader, list[torch.Tensor], 
     original = bytes(encoded[pos:pos + length])
     encoded[pos:pos + length] = bytes(a ^ (b or 1) for a, b in zip(original, noise))
     with pytest.raises(KVTransferError):
-        decode_blob(bytes(encoded))
+        decode_blob(bytes(encoded), KEY)
 
 
 @settings(max_examples=60, deadline=None)
@@ -90,9 +95,9 @@ def test_truncation_and_trailing_bytes_are_detected(
     encoded = _encode(*blob)
     cut = data.draw(st.integers(0, len(encoded) - 1), label="cut")
     with pytest.raises(TruncatedTransfer):
-        decode_blob(encoded[:cut])
+        decode_blob(encoded[:cut], KEY)
     with pytest.raises(BlobFormatError):
-        decode_blob(encoded + data.draw(st.binary(min_size=1, max_size=30), label="extra"))
+        decode_blob(encoded + data.draw(st.binary(min_size=1, max_size=30), label="extra"), KEY)
 
 
 def _header(**changes: object) -> BlobHeader:
@@ -104,7 +109,7 @@ def _header(**changes: object) -> BlobHeader:
 
 
 @pytest.mark.parametrize("changes", [
-    {"version": 2}, {"checksum": "crc32"}, {"dtype": "int4"}, {"layer_shape": (2, 3, 4, 2)},
+    {"version": 1}, {"mac": "xxh3_64"}, {"dtype": "int4"}, {"layer_shape": (2, 3, 4, 2)},
     {"start_token": 2}, {"end_token": 13}, {"block_hashes": (b"a" * 16,)},
     {"layer_nbytes": (1, 1)}, {"num_layers": 0, "layer_nbytes": ()},
 ])
@@ -127,15 +132,17 @@ def test_records_reject_unknown_fields_and_wrong_types() -> None:
 
 
 def test_huge_claimed_record_is_rejected_before_allocating() -> None:
-    prelude = PRELUDE.pack(b"SSKV", FrameKind.HEADER, 0, 0, MAX_RECORD_BYTES + 1, 0)
+    prelude = PRELUDE.pack(b"SSKV", FrameKind.HEADER, 0, 0, MAX_RECORD_BYTES + 1, NO_TAG)
     with pytest.raises(BlobFormatError):
-        BlobReader(BytesSource(prelude)).read_header(float("inf"))
+        BlobReader(BytesSource(prelude)).read_header(float("inf"), KEY)
 
 
 def test_frames_in_the_wrong_order_are_rejected() -> None:
-    trailer = b"".join(bytes(p) for p in record_frame(FrameKind.TRAILER, BlobTrailer("t", 1, 5)))
+    mac = FrameMac(KEY, "t")
+    trailer = b"".join(bytes(p) for p in record_frame(FrameKind.TRAILER, BlobTrailer("t", 1, 5),
+                                                      mac))
     with pytest.raises(BlobFormatError):
-        BlobReader(BytesSource(trailer)).read_header(float("inf"))
+        BlobReader(BytesSource(trailer)).read_header(float("inf"), KEY)
 
 
 def test_layer_checksum_names_the_layer() -> None:
@@ -146,7 +153,7 @@ def test_layer_checksum_names_the_layer() -> None:
     second_layer_body = header_len + 2 * PRELUDE.size + header.layer_nbytes[0]
     encoded[second_layer_body + 5] ^= 0x40
     with pytest.raises(ChecksumMismatch, match="layer 1"):
-        decode_blob(bytes(encoded))
+        decode_blob(bytes(encoded), KEY)
 
 
 def test_payloads_read_in_many_chunks_round_trip_and_check_every_chunk(
@@ -158,13 +165,13 @@ def test_payloads_read_in_many_chunks_round_trip_and_check_every_chunk(
     header = _header()
     layers = [torch.randn(header.layer_shape) for _ in range(2)]
     encoded = bytearray(_encode(header, layers, BlobTrailer("t", 2, 1)))
-    _, got, _ = decode_blob(bytes(encoded))
+    _, got, _ = decode_blob(bytes(encoded), KEY)
     assert all(torch.equal(a, b) for a, b in zip(got, layers))
-    trailer_len = len(b"".join(bytes(p) for p in record_frame(FrameKind.TRAILER,
-                                                              BlobTrailer("t", 2, 1))))
+    trailer_len = len(b"".join(bytes(p) for p in record_frame(
+        FrameKind.TRAILER, BlobTrailer("t", 2, 1), FrameMac(KEY, "t"))))
     encoded[len(encoded) - trailer_len - 3] ^= 0x01  # the last chunk of layer 1
     with pytest.raises(ChecksumMismatch, match="layer 1"):
-        decode_blob(bytes(encoded))
+        decode_blob(bytes(encoded), KEY)
 
 
 def test_int8_handles_zero_and_tiny_blocks() -> None:

@@ -21,9 +21,10 @@ from splitserve.errors import (TransferCancelled, TransferRejected, TransferTime
                                TruncatedTransfer)
 from splitserve.transfer.blob import (PRELUDE, BlobReader, FrameKind, ReplyOutcome,
                                       TransferReply, record_frame)
+from splitserve.transfer.mac import FrameMac, new_key
 from splitserve.transfer.transport import TransferState, get_transport
 from tests.transfer.conftest import (DEADLINE_S, PARAMS, PROMPT, Pair, deliver, prefill_frames,
-                                     run_to_end, settle)
+                                     run_to_end, sender_mac, settle)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ else:
     def recv(n):
         buf = bytearray(n); chan.recv_into(memoryview(buf), time.monotonic() + 30); return bytes(buf)
 send(data[:header_len])
-size = int.from_bytes(recv(24)[8:16], "little")
+size = int.from_bytes(recv(48)[8:16], "little")  # the 48-byte prelude's body_len
 recv(size)  # the ACCEPTED reply
 send(data[header_len:])
 print("sent", flush=True)
@@ -117,7 +118,8 @@ class SilentReceiver:
     """Accepts a transfer's header, swallows every byte after it, never gives a verdict:
     a decode worker that hangs (or dies after reading) from the sender's point of view."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes) -> None:
+        self.key = key  # of the plan it "issued": its ACCEPTED is tagged like a real one
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address = "tcp://127.0.0.1:%d" % self._sock.getsockname()[1]
         self.num_bytes = 0
@@ -130,7 +132,8 @@ class SilentReceiver:
             size = PRELUDE.unpack(prelude)[4]
             conn.recv(size, socket.MSG_WAITALL)
             transfer_id = "silent"
-            reply = record_frame(FrameKind.REPLY, TransferReply(transfer_id, ReplyOutcome.ACCEPTED))
+            reply = record_frame(FrameKind.REPLY, TransferReply(transfer_id, ReplyOutcome.ACCEPTED),
+                                 FrameMac(self.key, transfer_id))
             conn.sendall(b"".join(bytes(p) for p in reply))
             while data := conn.recv(1 << 16):
                 self.num_bytes += len(data)
@@ -144,8 +147,9 @@ def test_sender_lease_expiry_frees_its_blocks_exactly_once(make_llm: Callable) -
     from splitserve.transfer.sender import KVSender
     a = make_llm()
     sender = KVSender(a.engine)
-    silent = SilentReceiver()
-    plan = TransferPlan("silent", "r", None, silent.address, 0, len(PROMPT), timeout_s=1.0)
+    silent = SilentReceiver(new_key())
+    plan = TransferPlan("silent", "r", None, silent.address, 0, len(PROMPT), timeout_s=1.0,
+                        key=silent.key)
     a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
     send = sender.start("r", plan)
     sender.poll(a.engine.step())  # the prefill: streamed, then held under the lease
@@ -187,7 +191,7 @@ def test_duplicate_delivery_is_detected_and_ignored(make_pair: Callable[..., Pai
     # A second delivery arriving while the first is in flight is refused...
     first = get_transport("tcp").connect(plan.address, time.monotonic() + DEADLINE_S)
     first.send([frames[0]], time.monotonic() + DEADLINE_S)
-    reader = BlobReader(first)
+    reader = BlobReader(first, sender_mac(pair, frames[0]))
     assert reader.read_reply(time.monotonic() + DEADLINE_S).outcome == ReplyOutcome.ACCEPTED
     busy = deliver(pair, "tcp", frames)
     assert busy is not None and busy.outcome == ReplyOutcome.REJECTED

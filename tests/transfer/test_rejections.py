@@ -15,7 +15,7 @@ from splitserve.transfer.blob import PRELUDE, BlobReader, ReplyOutcome, Transfer
 from splitserve.transfer.handle import TransferHandle
 from splitserve.transfer.transport import TransferState, get_transport
 from tests.transfer.conftest import (DEADLINE_S, PARAMS, PROMPT, TRANSPORTS, Pair, deliver,
-                                     prefill_frames, settle)
+                                     prefill_frames, sender_mac, settle)
 
 
 def assert_rejected(pair: Pair, handle: TransferHandle, error: type[KVTransferError],
@@ -136,20 +136,25 @@ def test_unknown_transfer_is_refused_without_touching_others(
 def test_a_transfer_refused_at_its_header_is_drained_and_the_channel_goes_on(
         make_pair: Callable[..., Pair], transport: str) -> None:
     """Senders stream without waiting for the header's answer, so the receiver reads and
-    drops the rest of a refused transfer: the refusal arrives, and the same channel then
-    carries a valid transfer."""
+    drops the rest of a refused (but authenticated) transfer: the refusal arrives, and the
+    same channel then carries a valid transfer."""
     pair = make_pair(transport)
+    cancelled = pair.expect("gone", PROMPT, PARAMS)
+    gone = pair.receiver_handle(cancelled)
+    pair.receiver.cancel("gone")  # its sender arrives after the import ended
+    settle(pair, gone)
     plan = pair.expect("r", PROMPT, PARAMS)
+    late = prefill_frames(pair, cancelled)
     frames = prefill_frames(pair, plan)
-    unknown = prefill_frames(pair, dataclasses.replace(plan, transfer_id="nobody-expects-me"))
     chan = get_transport(transport).connect(pair.receiver.address,
                                             time.monotonic() + DEADLINE_S)
     try:
-        reader = BlobReader(chan)
-        chan.send(unknown, time.monotonic() + DEADLINE_S)
+        reader = BlobReader(chan, sender_mac(pair, late[0]))
+        chan.send(late, time.monotonic() + DEADLINE_S)
         refused = reader.read_reply(time.monotonic() + DEADLINE_S)
         assert refused.outcome == ReplyOutcome.REJECTED
-        assert refused.error_kind == "HeaderMismatch"
+        assert refused.error_kind == "TransferCancelled"
+        reader = BlobReader(chan, sender_mac(pair, frames[0]))
         chan.send(frames, time.monotonic() + DEADLINE_S)
         assert reader.read_reply(time.monotonic() + DEADLINE_S).outcome == ReplyOutcome.ACCEPTED
         recv = pair.receiver_handle(plan)
