@@ -1,17 +1,16 @@
 """What the dispatcher does about a message to a worker that ZeroMQ did not take (issue 16
-item 6): the worker's queue is at its high-water mark (it has not read for thousands of
-messages: stuck) or it has no connection. Detected, never only logged:
+item 6): the worker's queue is at its high-water mark (thousands of messages unread: it
+is stuck) or it has no connection (dead, or cut off). Detected, never only logged:
 
     lost                                 then
-    Generate, Prefill, KVPlan            that attempt fails (worker_dead): the retry policy
-                                         starts another or the client gets the error, as
-                                         for any failed attempt (dispatcher.fail_attempt)
+    Generate, Prefill, KVPlan            that attempt fails and the worker is treated as
+                                         dead (mark_dead): the attempt is retried on other
+                                         workers by the retry policy, or the client gets
+                                         the error. Failing the attempt alone would not
+                                         do: an idle-looking stuck worker would draw the
+                                         retry straight back and burn the retry budget.
     anything else (Abort, EvictBlocks,   resent after 0.1, 0.2, 0.4 and 0.8 s; lost a fifth
-    ResyncKV, Shutdown, CheckPool, ...)  time, the worker is treated as dead (mark_dead:
-                                         its attempts are retried elsewhere)
-
-A stuck worker is thus out of routing about 1.5 s after its first lost message: the
-failed attempt's Abort to it is lost and resent like any other.
+    ResyncKV, Shutdown, CheckPool, ...)  time, the worker is treated as dead
 """
 from __future__ import annotations
 
@@ -36,18 +35,25 @@ class Redelivery:
         self.link, self.flights = link, flights
         self.fail_attempt, self.mark_dead = fail_attempt, mark_dead
         self._timers: set[asyncio.TimerHandle] = set()
+        self._closed = False
 
     def on_lost(self, lost: LostSend) -> None:
+        if self._closed:  # shutting down: Shutdowns to workers already gone are moot
+            return
         kind = type(lost.msg).__name__
-        why = f"could not deliver {kind} ({lost.reason.value})"
+        why = f"did not take {kind} ({lost.reason.value})"
         if isinstance(lost.msg, _REQUEST_MESSAGES):
             # Only if that attempt is still current and on that worker: a late report of
             # a retried, aborted or finished attempt changes nothing.
-            flight = self.flights.attempt(lost.msg.request_id)
-            if flight is not None and lost.identity in flight.workers:
+            rid = lost.msg.request_id
+            flight = self.flights.attempt(rid)
+            if flight is None or lost.identity not in flight.workers:
+                return
+            self.mark_dead(lost.identity, why)  # fails its attempts, this one included
+            if self.flights.attempt(rid) is flight:  # it was not registered: fail it here
                 name = lost.identity.decode(errors="replace")
-                self.fail_attempt(flight, FailureKind.WORKER_DEAD, WorkerFailed(
-                    f"worker {name}: {why}; it is not reading or not connected"))
+                self.fail_attempt(flight, FailureKind.WORKER_DEAD,
+                                  WorkerFailed(f"worker {name}: {why}"))
             return
         if lost.num_resends >= len(RESEND_DELAYS_S):
             self.mark_dead(lost.identity, f"{why} after {lost.num_resends} resends")
@@ -63,6 +69,7 @@ class Redelivery:
         self._timers.add(timer)
 
     def close(self) -> None:
+        self._closed = True
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()

@@ -34,6 +34,10 @@ from splitserve.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
+# Messages queued per worker before a send to it is lost (ZeroMQ's default): a worker
+# this far behind, with its own receive queue and the TCP buffers full too, is stuck.
+SEND_HWM = 1000
+
 _HANDSHAKE_EVENTS: dict[int, DropReason] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: DropReason.HANDSHAKE,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: DropReason.HANDSHAKE,
@@ -64,6 +68,7 @@ class WorkerLink:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)  # NOTE: options are fixed at bind
         self._server.serve(self.sock)
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
