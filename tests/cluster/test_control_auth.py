@@ -3,6 +3,8 @@ sockets against a real dispatcher: who gets in, under which identity, what is co
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +14,8 @@ import zmq.asyncio
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import KeyRing, ServerKeys, WorkerSecret
 from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.runtime.local import LocalRuntime
+from splitserve.cluster.worker.spec import WorkerSpec
 from tests.cluster.test_dispatcher import (ScriptedWorker, collect, output, request, run,
                                            workers)
 
@@ -164,3 +168,43 @@ def test_a_removed_worker_s_key_is_revoked() -> None:
         assert not d.table.workers
         again.close()
     run(scenario)
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.data, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_local_runtime_hands_the_secret_over_stdin_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[dict[str, object]] = []
+
+    class FakePopen:
+        def __init__(self, args: list[str], env: dict[str, str], stdin: int) -> None:
+            self.pid, self.stdin = 4242, _Pipe()
+            started.append({"args": args, "env": env, "stdin": stdin, "pipe": self.stdin})
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    secret = WorkerSecret.generate(ServerKeys.generate().public)
+    spec = WorkerSpec(P.Role.DECODE, 0, 1, "tcp://127.0.0.1:5555")
+    LocalRuntime().start_worker(spec, secret)
+    (call,) = started
+    visible = " ".join(call["args"]) + " ".join(call["env"].values())  # type: ignore[attr-defined]
+    for key in (secret.client_secret, secret.client_public, secret.server_public):
+        assert key.decode() not in visible
+    pipe = call["pipe"]
+    assert call["stdin"] == subprocess.PIPE and pipe.closed  # type: ignore[attr-defined]
+    assert WorkerSecret.from_bytes(pipe.data) == secret  # type: ignore[attr-defined]
+
+
+def test_a_worker_started_without_a_secret_refuses_to_run() -> None:
+    spec = WorkerSpec(P.Role.DECODE, 0, 1, "tcp://127.0.0.1:1").to_json()
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cluster.worker", spec],
+                          input=b"", capture_output=True, timeout=120)
+    assert proc.returncode == 2 and b"no control-plane secret" in proc.stderr
