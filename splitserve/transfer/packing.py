@@ -1,13 +1,15 @@
 """Packing an engine's KV into blob frames: the header of a transfer and one frame per
 layer. The sender streams these; `held_blob_frames` builds a whole blob for tools and
-tests that drive a channel by hand."""
+tests that drive a channel by hand. `check_fits` is the receiving side's mirror of
+`build_header`: does a header describe the import an engine expects?"""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.kv_connector import KVConnector, KVLayout
+from splitserve.engine.kv_connector import KVConnector, KVLayout, KVRange
+from splitserve.errors import FingerprintMismatch, HeaderMismatch
 from splitserve.transfer.blob import BlobHeader, BlobTrailer, FrameKind, frame, record_frame
 from splitserve.transfer.handle import TransferPlan
 from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, encode_layer, layer_nbytes
@@ -34,6 +36,36 @@ def build_header(layout: KVLayout, plan: TransferPlan, namespace: str | None,
         compression=compression, layer_nbytes=(nbytes,) * layout.num_layers)
     header.check()
     return header
+
+
+def check_fits(layout: KVLayout, plan: TransferPlan, target: KVRange, header: BlobHeader) -> None:
+    """Compatibility of a well-formed header with the receiving engine (`layout`) and the
+    import it expects (`plan`, `target`): FingerprintMismatch or HeaderMismatch if not."""
+    kv_dtype = DTYPE_NAMES[layout.dtype]
+    if header.fingerprint != layout.fingerprint:
+        raise FingerprintMismatch(
+            f"KV for request {header.request_id!r} comes from model fingerprint "
+            f"{header.fingerprint}, this engine is {layout.fingerprint}: the engines "
+            "differ in model, weights, KV dtype or block size; route the request to a "
+            "prefill worker serving the same model configuration")
+    if header.request_id != plan.request_id:
+        raise HeaderMismatch(f"transfer {plan.transfer_id} is for request "
+                             f"{plan.request_id!r} but the header is for {header.request_id!r}")
+    if header.namespace != plan.namespace:
+        raise HeaderMismatch(f"KV of request {plan.request_id!r} is from cache namespace "
+                             f"{header.namespace!r}, expected {plan.namespace!r}")
+    if (header.start_token, header.end_token) != (target.start_token, target.end_token):
+        raise HeaderMismatch(f"KV covers tokens [{header.start_token}, {header.end_token}), "
+                             f"the import needs [{target.start_token}, {target.end_token})")
+    if list(header.block_hashes) != list(target.block_hashes):
+        raise HeaderMismatch(f"block hashes of request {plan.request_id!r} differ: the "
+                             "sender computed KV for other tokens")
+    shape = layout.layer_shape(len(target.block_ids))
+    if (header.layer_shape, header.num_layers, header.dtype) != (
+            shape, layout.num_layers, kv_dtype):
+        raise HeaderMismatch(f"layout {list(header.layer_shape)} x {header.num_layers} "
+                             f"{header.dtype} does not fit {list(shape)} x "
+                             f"{layout.num_layers} {kv_dtype}")
 
 
 def pack_layer(header: BlobHeader, layer: int, kv: torch.Tensor, mac: FrameMac) -> list[Buffer]:

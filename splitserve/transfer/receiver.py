@@ -36,16 +36,17 @@ from collections.abc import Callable
 import torch
 
 from splitserve.engine.kv_connector import KVConnector, KVRange
-from splitserve.errors import (ChecksumMismatch, FingerprintMismatch, HeaderMismatch,
-                               KVImportError, KVTransferError, TransferCancelled,
-                               TransferTimeout, WorkerFailed)
+from splitserve.errors import (ChecksumMismatch, HeaderMismatch, KVImportError,
+                               KVTransferError, TransferCancelled, TransferTimeout,
+                               WorkerFailed)
 from splitserve.transfer.blob import (PRELUDE, BlobHeader, BlobReader, BlobTrailer, FrameKind,
                                       Prelude, ReplyOutcome, TransferReply, parse_header,
                                       record_frame)
 from splitserve.transfer.gate import GateLimits, GateStats, HeaderGate
 from splitserve.transfer.handle import TransferHandle, TransferPlan
-from splitserve.transfer.layer_codec import DTYPE_NAMES, Compression, layer_nbytes
+from splitserve.transfer.layer_codec import Compression, layer_nbytes
 from splitserve.transfer.mac import FrameMac, new_key
+from splitserve.transfer.packing import check_fits
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 from splitserve.transfer.transport import Channel, Listener, TransferState, scheme
 
@@ -108,7 +109,6 @@ class KVReceiver:
         self._busy: set[Channel] = set()  # channels being read by a thread of ours
         self._num_drains = 0
         self.num_forged = 0  # headers that failed authentication
-        self._kv_dtype = DTYPE_NAMES[engine.kv_layout.dtype]
         self._gate = HeaderGate(listener, self._on_header, limits)
         self._gate.start()
 
@@ -243,8 +243,10 @@ class KVReceiver:
         mac = FrameMac(key, tid)
         if not mac.verify(FrameKind.HEADER, 0, body, prelude.tag):
             self.num_forged += 1
-            logger.warning("a KV header for transfer %s failed authentication (no key, or "
-                           "corrupted); connection closed, import untouched", tid)
+            if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: no log flood
+                logger.warning("a KV header for transfer %s failed authentication (no key, "
+                               "or corrupted; %d so far); connection closed, import "
+                               "untouched", tid, self.num_forged)
             return self._refuse(channel, tid, ChecksumMismatch(
                 f"header of transfer {tid} fails its authentication tag"))
         reader = BlobReader(channel, mac)
@@ -253,14 +255,13 @@ class KVReceiver:
             claimed = (imp is not None and self._imports.get(tid) is imp
                        and imp.channel is None and imp.error is None)
             drains = self._num_drains
-            if claimed:
-                imp.channel = channel  # type: ignore[union-attr]
+            if claimed and imp is not None:
+                imp.channel = channel
             elif drains < MAX_DRAINS:
                 self._num_drains += 1
             if claimed or drains < MAX_DRAINS:
                 self._busy.add(channel)
-        if claimed:
-            assert imp is not None
+        if claimed and imp is not None:
             self._spawn(self._serve, channel, reader, imp, header)
         elif drains >= MAX_DRAINS:
             self._refuse(channel, tid, KVTransferError("too many refused transfers are being "
@@ -315,7 +316,7 @@ class KVReceiver:
         try:
             tel = imp.handle.telemetry
             t0 = time.perf_counter()
-            self._check_header(imp, header)
+            check_fits(self.engine.kv_layout, imp.plan, imp.target, header)
             tel.validate_s += time.perf_counter() - t0
             tel.compression, tel.num_layers = header.compression.value, header.num_layers
             tel.payload_bytes = header.num_layers * layer_nbytes(
@@ -365,35 +366,6 @@ class KVReceiver:
             return True
         except KVTransferError:
             return False
-
-    def _check_header(self, imp: _Import, header: BlobHeader) -> None:
-        """Compatibility of a well-formed header with this engine and this import."""
-        layout, plan, target = self.engine.kv_layout, imp.plan, imp.target
-        if header.fingerprint != layout.fingerprint:
-            raise FingerprintMismatch(
-                f"KV for request {header.request_id!r} comes from model fingerprint "
-                f"{header.fingerprint}, this engine is {layout.fingerprint}: the engines "
-                "differ in model, weights, KV dtype or block size; route the request to a "
-                "prefill worker serving the same model configuration")
-        if header.request_id != plan.request_id:
-            raise HeaderMismatch(f"transfer {plan.transfer_id} is for request "
-                                 f"{plan.request_id!r} but the header is for "
-                                 f"{header.request_id!r}")
-        if header.namespace != plan.namespace:
-            raise HeaderMismatch(f"KV of request {plan.request_id!r} is from cache namespace "
-                                 f"{header.namespace!r}, expected {plan.namespace!r}")
-        if (header.start_token, header.end_token) != (target.start_token, target.end_token):
-            raise HeaderMismatch(f"KV covers tokens [{header.start_token}, {header.end_token}), "
-                                 f"the import needs [{target.start_token}, {target.end_token})")
-        if list(header.block_hashes) != list(target.block_hashes):
-            raise HeaderMismatch(f"block hashes of request {plan.request_id!r} differ: the "
-                                 "sender computed KV for other tokens")
-        shape = layout.layer_shape(len(target.block_ids))
-        if (header.layer_shape, header.num_layers, header.dtype) != (
-                shape, layout.num_layers, self._kv_dtype):
-            raise HeaderMismatch(f"layout {list(header.layer_shape)} x {header.num_layers} "
-                                 f"{header.dtype} does not fit {list(shape)} x "
-                                 f"{layout.num_layers} {self._kv_dtype}")
 
     @staticmethod
     def _verdict(handle: TransferHandle, if_done: ReplyOutcome) -> TransferReply:

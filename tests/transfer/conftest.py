@@ -13,7 +13,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.output import RequestOutput
-from splitserve.errors import TruncatedTransfer
+from splitserve.errors import KVTransferError, TruncatedTransfer
 from splitserve.transfer.blob import (PRELUDE, BlobReader, ReplyOutcome, TransferReply,
                                       parse_header)
 from splitserve.transfer.handle import TransferHandle, TransferPlan
@@ -158,7 +158,10 @@ def prefill_frames(pair: Pair, plan: TransferPlan, prompt: list[int] = PROMPT, *
 def sender_mac(pair: Pair, header_frame: bytes) -> FrameMac | None:
     """What the sender of `header_frame` would check B's replies with: the key of the
     plan B issued for its transfer id (None if B issued none)."""
-    tid = parse_header(header_frame[PRELUDE.size:]).transfer_id
+    try:
+        tid = parse_header(header_frame[PRELUDE.size:]).transfer_id
+    except KVTransferError:
+        return None
     imp, done = pair.receiver._imports.get(tid), pair.receiver._recent.get(tid)
     key = imp.plan.key if imp is not None else done[1] if done is not None else None
     return None if key is None else FrameMac(key, tid)
