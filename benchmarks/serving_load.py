@@ -85,7 +85,7 @@ class LoadedServer:
 
     def __init__(self, label: str, checkout: str) -> None:
         self.label, self.served = label, Served(FLAGS, checkout)
-        workers = self.served.server.get_json("/health")["workers"]
+        workers = self.served.server.workers()
         decode_ids = [str(w["id"]) for w in workers if str(w["role"]).lower().endswith("decode")]
         if len(decode_ids) != 1:
             self.served.stop()

@@ -105,8 +105,8 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
             await asyncio.sleep(args.fault_every_s)
             label, role, spec = FAULTS[k % len(FAULTS)]
             k += 1
-            health = await asyncio.to_thread(server.get_json, "/health")
-            targets = [w["id"] for w in health["workers"] if w["role"] == role and w["healthy"]]
+            workers = await asyncio.to_thread(server.workers)
+            targets = [w["id"] for w in workers if w["role"] == role and w["healthy"]]
             if not targets:
                 continue
             await asyncio.to_thread(arm, server, rng.choice(targets), **spec)

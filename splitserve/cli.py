@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from splitserve.bench.command import add_bench_args, bench_command
-from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, SchedulerConfig,
-                               ServeConfig)
+from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, HttpConfig,
+                               SchedulerConfig, ServeConfig)
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
+
+# Keys from the environment (as vLLM's VLLM_API_KEY): a flag would show in `ps`.
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+ADMIN_KEY_ENV = "SPLITSERVE_ADMIN_KEY"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -128,6 +133,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float,
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (30)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_http_args(p)
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP edge's flags (HttpConfig): keys, what responses tell, client deadlines."""
+    g = p.add_argument_group("HTTP edge: keys, limits, deadlines")
+    g.add_argument("--api-key", help=f"/v1/* needs 'Authorization: Bearer <key>' (as vLLM); "
+                   f"its tenant is 'default'. Prefer ${API_KEY_ENV} or --api-key-file: a "
+                   "command line is visible to every local user")
+    g.add_argument("--api-key-file", help='JSON file {"<key>": "<tenant>", ...}: each '
+                   "client's tenant and cache namespace come from its key")
+    g.add_argument("--admin-key", help=f"/admin/* needs 'Authorization: Bearer <key>' "
+                   f"(or set ${ADMIN_KEY_ENV}); without one /admin/* is off (403)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_const", const=True,
+                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
+    g.add_argument("--limit-concurrency", type=int,
+                   help="open connections or requests in progress beyond which a request "
+                   "gets 503 (uvicorn's; default 1024; 0: no limit)")
+    g.add_argument("--timeout-keep-alive", type=int,
+                   help="seconds an idle keep-alive connection stays open (30)")
+    g.add_argument("--header-timeout-s", type=float,
+                   help="a request's head must arrive within this, else 408 and close (20)")
+    g.add_argument("--body-timeout-s", type=float,
+                   help="a request's body must arrive within this, else 408 and close (60)")
+    g.add_argument("--h11-max-incomplete-event-size", type=int,
+                   help="largest request head in bytes (16384; vLLM's flag), else 400")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -138,6 +169,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping of serve options")
         values = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    for key, env in (("api_key", API_KEY_ENV), ("admin_key", ADMIN_KEY_ENV)):
+        if os.environ.get(env):
+            values[key] = os.environ[env]
     for key, value in vars(args).items():
         if key not in ("config", "command") and value is not None:
             values[key] = value
@@ -146,14 +180,33 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                   for part in values["worker_cores"].split(";")]
     if values.get("quantization") == "none":
         values["quantization"] = None
-    deadline_keys = DeadlineConfig.__dataclass_fields__.keys()
-    deadlines = values.pop("deadlines", None) or {}
-    deadlines.update({k: values.pop(k) for k in list(values) if k in deadline_keys})
-    known = ServeConfig.__dataclass_fields__.keys()
+    if values.get("limit_concurrency") == 0:
+        values["limit_concurrency"] = None
+    deadlines = _group(values, "deadlines", DeadlineConfig)
+    http = _group(values, "http", HttpConfig)
+    known = ServeConfig.__dataclass_fields__.keys() - {"deadlines", "http"}
     unknown = values.keys() - known
     if unknown:
         raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(known)}")
-    return ServeConfig(**values, deadlines=DeadlineConfig(**deadlines))
+    return ServeConfig(**values, deadlines=deadlines, http=http)
+
+
+Group = TypeVar("Group", DeadlineConfig, HttpConfig)
+
+
+def _group(values: dict[str, Any], name: str, cls: type[Group]) -> Group:
+    """ServeConfig's nested config `name`: its keys popped from `values`, given as a
+    `name:` mapping (YAML) or flat (flags, YAML); flat keys win."""
+    nested = values.pop(name, None) or {}
+    keys = cls.__dataclass_fields__.keys()
+    if not isinstance(nested, dict):
+        raise ValueError(f"{name} must be a mapping of {sorted(keys)}")
+    given = {str(k).replace("-", "_"): v for k, v in nested.items()}
+    given.update({k: values.pop(k) for k in list(values) if k in keys})
+    unknown = given.keys() - keys
+    if unknown:
+        raise ValueError(f"unknown {name} options {sorted(unknown)}; known: {sorted(keys)}")
+    return cls(**given)
 
 
 def main(argv: list[str] | None = None) -> int:

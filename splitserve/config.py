@@ -90,6 +90,48 @@ class DeadlineConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP edge: who may call what, what a response tells, and how long and how many
+    clients may hold the server (api/auth.py, api/http_protocol.py, README "Security")."""
+    # /v1/* needs `Authorization: Bearer <key>`: one key (tenant "default") and/or a JSON
+    # file {"<key>": "<tenant>", ...}; with keys the tenant (and cache namespace) comes
+    # from the key. Neither: /v1/* is open and clients name their tenant.
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    # /admin/* needs `Authorization: Bearer <admin key>`; None: /admin/* answers 403.
+    admin_key: str | None = field(default=None, repr=False)
+    # usage.prompt_tokens_details.cached_tokens (vLLM's flag): off, it is null, since it
+    # tells a client how much of its prompt others of its namespace cached.
+    enable_prompt_tokens_details: bool = False
+    # Open connections (and requests in progress) beyond which a request gets 503;
+    # uvicorn's limit. None: no limit.
+    limit_concurrency: int | None = 1024
+    # Idle keep-alive connections are closed after this long. uvicorn's default (5 s)
+    # equals the idle expiry of httpx's pool (the `openai` client's), so a client could
+    # reuse a connection at the moment the server closes it; the server outlasts its
+    # clients' pools.
+    timeout_keep_alive: int = 30
+    # From the first byte of a request (or the connection's opening) to its last header
+    # byte, and from then to its body's last byte; then 408 and the connection closes.
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    # The largest request head (line + headers) h11 buffers (h11's default); past it 400.
+    h11_max_incomplete_event_size: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_keep_alive", "header_timeout_s", "body_timeout_s",
+                     "h11_max_incomplete_event_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.limit_concurrency is not None and self.limit_concurrency < 2:
+            raise ValueError(f"limit_concurrency={self.limit_concurrency} must be >= 2 "
+                             "(uvicorn counts the connection asking)")
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} is empty; give a key or leave it out")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """`splitserve serve`: the frontend, the router and the worker pools on one machine.
     Every key can come from a YAML file (same names, `-` or `_`) or a flag."""
@@ -127,6 +169,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512
     kv_cache_memory_bytes: int = 1 << 30
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     log_level: str = "info"
     # On SIGTERM/Ctrl-C: stop accepting, let in-flight requests finish for this long.
     drain_timeout_s: float = 30.0

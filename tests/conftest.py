@@ -133,11 +133,14 @@ def make_llm(tiny_llama_dir: str, engine_defaults: dict[str, Any]) -> Iterator[A
 
 
 class ServerProcess:
-    """`splitserve serve` as a real process on a free port; stopped with SIGTERM."""
+    """`splitserve serve` as a real process on a free port; stopped with SIGTERM. It gets
+    an admin key (SPLITSERVE_ADMIN_KEY, unless `env` names one), which `get_json`,
+    `get_text` and `post_json` send to /admin/* routes."""
 
     def __init__(self, *flags: str, ready_timeout_s: float = 300.0, cwd: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         """`cwd` and `env` (default: this process's) let a benchmark run another checkout."""
+        import secrets
         import socket
         import subprocess
         import sys
@@ -148,6 +151,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-{self.port}.log"
         self._log = open(self.log_path, "wb")
+        env = dict(os.environ if env is None else env)
+        self.admin_key = env.setdefault("SPLITSERVE_ADMIN_KEY", secrets.token_urlsafe(16))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), *flags],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
@@ -171,21 +176,51 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not ready in {timeout_s} s: {self.log()}")
 
+    def _request(self, path: str, body: Any = None) -> Any:
+        import json
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if path.startswith("/admin/"):
+            headers["Authorization"] = f"Bearer {self.admin_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        return urllib.request.Request(self.url + path, data=data, headers=headers,
+                                      method="POST" if body is not None else "GET")
+
     def get_json(self, path: str) -> Any:
         import json
         import urllib.request
 
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        with urllib.request.urlopen(self._request(path), timeout=10) as r:
             return json.loads(r.read())
 
     def get_text(self, path: str) -> str:
         import urllib.request
 
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        with urllib.request.urlopen(self._request(path), timeout=10) as r:
             return str(r.read().decode())
 
+    def post_json(self, path: str, body: Any) -> Any:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self._request(path, body), timeout=10) as r:
+            return json.loads(r.read())
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker's id, role, health, incarnation, pid and requests (/admin/health;
+        a checkout from before it listed them in /health)."""
+        import urllib.error
+
+        try:
+            return list(self.get_json("/admin/health")["workers"])
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            return list(self.get_json("/health")["workers"])
+
     def worker_pids(self) -> list[int]:
-        return [int(w["pid"]) for w in self.get_json("/health")["workers"]]
+        return [int(w["pid"]) for w in self.workers()]
 
     def log(self) -> str:
         if not self._log.closed:

@@ -1,13 +1,20 @@
-"""Operator routes beside the OpenAI API:
+"""Operator routes beside the OpenAI API, all behind the admin key (api/auth.py: 401
+without it, 403 on a server started without one):
 
-    POST /admin/faults   arm a fault on a worker (cluster/worker/faults.py); 403 unless the server
-                         runs with --enable-fault-injection
+    GET  /admin/health   the detailed view /health summarizes: every worker's id, role,
+                         health, incarnation, pid and requests
     GET  /admin/pools    every live worker checks its KV pool's invariants and says what
-                         it holds (after traffic stops: no used blocks, no requests)
+                         it holds (after traffic stops: no used blocks, no requests);
+                         concurrent calls share one round of checks
+    POST /admin/faults   arm a fault on a worker (cluster/worker/faults.py); 403 unless the
+                         server also runs with --enable-fault-injection
 
 Like the rest of the server, they bind to 127.0.0.1 unless told otherwise.
 """
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +35,23 @@ class FaultRequest(BaseModel):
     seconds: float = 0.0
 
 
+def health_summary(detail: Mapping[str, object]) -> dict[str, object]:
+    """What /health tells anyone: counts of workers (by role, healthy or not) and of
+    requests, never a worker's identity, incarnation or pid (those are /admin/health's)."""
+    workers = detail.get("workers", [])
+    assert isinstance(workers, list), "Backend.health() lists its workers"
+    total = Counter(str(w.get("role")) for w in workers)
+    healthy = Counter(str(w.get("role")) for w in workers if w.get("healthy"))
+    summary: dict[str, object] = {
+        "workers": {"total": sum(total.values()), "healthy": sum(healthy.values()),
+                    "by_role": {role: {"total": n, "healthy": healthy[role]}
+                                for role, n in sorted(total.items())}}}
+    for key in ("in_flight", "queued"):
+        if key in detail:
+            summary[key] = detail[key]
+    return summary
+
+
 def add_admin_routes(app: FastAPI, backend: Backend) -> None:
     async def inject_fault(body: FaultRequest) -> dict[str, object]:
         spec = body.model_dump(exclude={"worker"})
@@ -42,5 +66,9 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
     async def check_pools() -> dict[str, object]:
         return {"workers": await backend.check_pools()}
 
+    async def health() -> dict[str, object]:
+        return backend.health()
+
+    app.add_api_route("/admin/health", health, methods=["GET"])
     app.add_api_route("/admin/faults", inject_fault, methods=["POST"])
     app.add_api_route("/admin/pools", check_pools, methods=["GET"])

@@ -37,7 +37,9 @@ class Backend(Protocol):
         ...
 
     def health(self) -> dict[str, object]:
-        """A JSON-able summary: workers, their roles and health."""
+        """JSON-able detail for operators (/admin/health): "workers", a list of dicts with
+        at least "role" and "healthy" (and whatever identifies them), and counts such as
+        "in_flight" and "queued". /health serves only counts of it (admin.health_summary)."""
         ...
 
     def metrics_text(self) -> bytes:

@@ -27,6 +27,8 @@ from splitserve.errors import (AdmissionRejected, InvalidRequestError, RequestTi
 # Error `type`s, named like the openai client's exception classes.
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -37,6 +39,9 @@ _TYPES = {
 CLIENT_CLOSED_STATUS = 499
 # pydantic names union members in `loc` ("str", "list[int]", ...); they are not field names.
 _TYPE_WORDS = {"str", "int", "float", "bool", "none", "list", "dict"}
+# Refused before (or while) the body was read: end the connection after the response, so
+# h11 closes it instead of discarding the rest of the body for as long as the client sends.
+_CLOSE = {"Connection": "close"}
 
 
 class ModelNotFound(Exception):
@@ -52,7 +57,20 @@ class GenerationError(Exception):
 
 
 class RequestTooLarge(Exception):
-    """The request body is over the server's limit (413)."""
+    """The request body is over the server's limit (413; the connection is closed)."""
+
+
+class BodyTimeout(Exception):
+    """The request body did not arrive within `--body-timeout-s` (408; the connection is
+    closed, so a slow client cannot go on feeding it)."""
+
+
+class Unauthorized(Exception):
+    """A missing or wrong API or admin key (401)."""
+
+
+class AdminDisabled(Exception):
+    """An /admin/* route on a server started without an admin key (403)."""
 
 
 class ClientDisconnected(Exception):
@@ -103,7 +121,13 @@ def _classify(exc: BaseException) -> ApiError | None:
     if isinstance(exc, RequestValidationError):
         return _validation_error(exc.errors())
     if isinstance(exc, RequestTooLarge):
-        return ApiError(413, str(exc))
+        return ApiError(413, str(exc), headers=dict(_CLOSE))
+    if isinstance(exc, BodyTimeout):
+        return ApiError(408, str(exc), headers=dict(_CLOSE))
+    if isinstance(exc, Unauthorized):
+        return ApiError(401, str(exc), headers={"WWW-Authenticate": "Bearer", **_CLOSE})
+    if isinstance(exc, AdminDisabled):
+        return ApiError(403, str(exc), headers=dict(_CLOSE))
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, ModelNotFound):

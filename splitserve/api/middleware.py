@@ -1,10 +1,18 @@
-"""The outermost layer of every HTTP request: its id, and the last-resort error response."""
+"""The layers every HTTP request passes before a route, outermost first:
+
+    RequestIdMiddleware   its id and label; turns any exception below into an error response
+    AccessMiddleware      keys (api/auth.py), before the body is read
+    BodyMiddleware        the whole body, within MAX_BODY_BYTES (413) and the body deadline
+                          (408), before any handler parses it
+"""
 from __future__ import annotations
+
+import asyncio
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve.api.errors import RequestTooLarge, api_error
+from splitserve.api.errors import BodyTimeout, RequestTooLarge, api_error
 from splitserve.api.request_id import (MAX_REQUEST_ID_LEN, is_valid_request_id, label_var,
                                        logger, new_request_id, request_id_var)
 from splitserve.errors import InvalidRequestError
@@ -20,8 +28,7 @@ class RequestIdMiddleware:
 
     It runs inside Starlette's ServerErrorMiddleware, so it also turns an exception no
     handler took into a 500 (with the id header, which ServerErrorMiddleware would drop),
-    and it refuses a body over MAX_BODY_BYTES with 413 (by Content-Length, or while the
-    body streams in) before anything parses it.
+    and the inner middlewares' refusals (401, 403, 408, 413) into error responses.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -39,15 +46,6 @@ class RequestIdMiddleware:
         if label != request_id:
             logger.info("request %s (the client's X-Request-Id)", request_id)
         started = False
-        body: bytes | None = None  # read whole (up to the limit) before any handler runs
-
-        async def receive_body() -> Message:
-            nonlocal body
-            if body is None:
-                return await receive()
-            message: Message = {"type": "http.request", "body": body, "more_body": False}
-            body = None
-            return message
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
@@ -61,8 +59,7 @@ class RequestIdMiddleware:
                 raise InvalidRequestError(
                     f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable characters; "
                     "send a shorter id or none (the server makes one)", field="X-Request-Id")
-            body = await _read_body(scope, receive)
-            await self.app(scope, receive_body, send_with_id)
+            await self.app(scope, receive, send_with_id)
         except Exception as exc:
             if started:  # too late for an error response: end the connection
                 logger.error("error after the response started", exc_info=exc)
@@ -73,10 +70,40 @@ class RequestIdMiddleware:
             label_var.reset(label_token)
 
 
+class BodyMiddleware:
+    """Reads the whole body before the app runs, refusing it past MAX_BODY_BYTES (by its
+    Content-Length at once, else as it streams in; FastAPI would turn an error raised while
+    it reads the body into a 400) or when it takes longer than `timeout_s` (a client
+    trickling bytes must not hold a connection and a task forever)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body: bytes | None = await _read_body(scope, receive)
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive within {self.timeout_s:g} s "
+                              "(--body-timeout-s)") from None
+
+        async def receive_body() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return message
+
+        await self.app(scope, receive_body, send)
+
+
 async def _read_body(scope: Scope, receive: Receive) -> bytes:
-    """The whole request body, refused (RequestTooLarge) past MAX_BODY_BYTES: by its
-    Content-Length at once, else as it streams in (FastAPI would turn an error raised while
-    it reads the body into a 400)."""
+    """The whole request body; RequestTooLarge past MAX_BODY_BYTES."""
     declared = Headers(scope=scope).get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestTooLarge(_too_large(int(declared)))

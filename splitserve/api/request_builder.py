@@ -7,14 +7,19 @@ of several prompts is rejected with 400 naming `prompt`: send one request per pr
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from splitserve.api.backend import ModelInfo
 from splitserve.api.errors import ModelNotFound
-from splitserve.api.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                    SamplingFields)
+from splitserve.api.schemas import (MAX_NAME_CHARS, ChatCompletionRequest, ChatMessage,
+                                    CompletionRequest, SamplingFields)
 from splitserve.cluster.frontend.stream import GenerateRequest
 from splitserve.cluster.router.config import DisaggPolicy
 from splitserve.engine.sampling_params import SamplingParams, check_length, check_token_ids
@@ -31,15 +36,50 @@ def served_model(requested: str | None, info: ModelInfo) -> str:
     return requested
 
 
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Which cached prefixes a request may hit, and whose cache cap it counts against."""
+    namespace: str | None  # requests share cached prefixes only within one namespace
+    tenant: str | None  # per-tenant accounting (router `tenant_max_cached_blocks`)
+
+
+def cache_scope(key_tenant: str | None, header: str | None, body: SamplingFields) -> CacheScope:
+    """With API keys (`key_tenant`: the caller's key's tenant), the tenant is the key's and
+    the namespace is that tenant sub-divided by `cache_salt` (requests of one key with
+    different salts share nothing; no salt is its own sub-division); `X-Tenant` and `user`
+    are ignored, so no client reaches another key's prefixes whatever it sends. Without
+    keys the clients are trusted to name their tenant: `tenant_of`."""
+    if key_tenant is None:
+        tenant = tenant_of(header, body)
+        return CacheScope(tenant, tenant)
+    # NOTE: JSON of the pair is injective: no (tenant, salt) pair spells another's.
+    return CacheScope(json.dumps([key_tenant, body.cache_salt]), key_tenant)
+
+
 def tenant_of(header: str | None, body: SamplingFields) -> str | None:
-    """The cache namespace and tenant: `X-Tenant`, else `cache_salt`, else `user`."""
+    """The cache namespace and tenant without API keys: `X-Tenant`, else `cache_salt`,
+    else `user`."""
+    if header is not None and len(header) > MAX_NAME_CHARS:
+        raise InvalidRequestError(f"X-Tenant has {len(header)} characters, over the limit of "
+                                  f"{MAX_NAME_CHARS}", field="X-Tenant")
     for value in (header, body.cache_salt, body.user):
         if value is not None:
             return value
     return None
 
 
-def build_completion_request(body: CompletionRequest, request_id: str, tenant: str | None,
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    """The JSON body as `model`; RequestValidationError (400 naming the field) if not."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def build_completion_request(body: CompletionRequest, request_id: str, scope: CacheScope,
                              info: ModelInfo) -> GenerateRequest:
     """Tokenizes `body.prompt` (special tokens added as the checkpoint asks)."""
     _check_common(body)
@@ -56,10 +96,10 @@ def build_completion_request(body: CompletionRequest, request_id: str, tenant: s
     _check_ids(prompt_ids, params, info)
     check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
+                           namespace=scope.namespace, tenant=scope.tenant, disagg=_disagg_policy(body))
 
 
-def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str | None,
+def build_chat_request(body: ChatCompletionRequest, request_id: str, scope: CacheScope,
                        info: ModelInfo) -> GenerateRequest:
     """Renders `body.messages` with the chat template (generation prompt added) and encodes
     the result without adding special tokens (the template has them)."""
@@ -83,7 +123,7 @@ def build_chat_request(body: ChatCompletionRequest, request_id: str, tenant: str
         _check_ids(prompt_ids, params, info)
         check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=tenant, tenant=tenant, disagg=_disagg_policy(body))
+                           namespace=scope.namespace, tenant=scope.tenant, disagg=_disagg_policy(body))
 
 
 @contextmanager

@@ -26,13 +26,17 @@ class ResponseBuilder(ABC):
     """What both endpoints share: identity of the response, the last delta, usage."""
 
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 with_logprobs: bool, include_usage: bool) -> None:
+                 with_logprobs: bool, include_usage: bool,
+                 with_cached_tokens: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
         self._strings = strings
         self._with_logprobs = with_logprobs
         self._include_usage = include_usage
+        # Off (vLLM's default): usage.prompt_tokens_details is null, since cached_tokens
+        # tells a client how much of its prompt other requests of its namespace cached.
+        self._with_cached_tokens = with_cached_tokens
         self._last: StreamDelta | None = None
         self._text: list[str] = []
 
@@ -62,7 +66,8 @@ class ResponseBuilder(ABC):
         return UsageInfo(
             prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
             total_tokens=last.num_prompt_tokens + last.num_output_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens))
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens)
+            if self._with_cached_tokens else None)
 
     def _observe(self, delta: StreamDelta) -> None:
         if delta.finish_reason == "error":
@@ -88,8 +93,10 @@ class CompletionBuilder(ResponseBuilder):
     """Objects of /v1/completions (`text_completion`, for the whole and for chunks)."""
 
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 with_logprobs: bool, include_usage: bool) -> None:
-        super().__init__(request_id, model, created, strings, with_logprobs, include_usage)
+                 with_logprobs: bool, include_usage: bool,
+                 with_cached_tokens: bool = False) -> None:
+        super().__init__(request_id, model, created, strings, with_logprobs, include_usage,
+                         with_cached_tokens)
         self._logprobs = CompletionLogprobs()
         self._num_chars = 0
 
@@ -127,8 +134,10 @@ class ChatBuilder(ResponseBuilder):
     """Objects of /v1/chat/completions (`chat.completion` and `chat.completion.chunk`)."""
 
     def __init__(self, request_id: str, model: str, created: int, strings: TokenStrings,
-                 with_logprobs: bool, include_usage: bool) -> None:
-        super().__init__(request_id, model, created, strings, with_logprobs, include_usage)
+                 with_logprobs: bool, include_usage: bool,
+                 with_cached_tokens: bool = False) -> None:
+        super().__init__(request_id, model, created, strings, with_logprobs, include_usage,
+                         with_cached_tokens)
         self._logprobs: list[ChatTokenLogprob] = []
 
     def head(self) -> list[BaseModel]:

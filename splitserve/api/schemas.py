@@ -103,7 +103,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):

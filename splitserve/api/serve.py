@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 
+from splitserve.api.auth import Access
 from splitserve.api.backend import ModelInfo
+from splitserve.api.http_protocol import uvicorn_config
 from splitserve.api.request_id import log_config
 from splitserve.api.server import build_app
 from splitserve.cluster.frontend.dispatcher import Dispatcher
@@ -25,11 +27,6 @@ from splitserve.model.loader import open_checkpoint
 
 logger = logging.getLogger("splitserve.serve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Idle keep-alive connections are closed after this long. uvicorn's default (5 s) equals the
-# idle expiry of httpx's pool (the `openai` client's), so a client could reuse a connection
-# at the moment the server closes it and get a connection error; the server must outlast
-# its clients' pools.
-KEEP_ALIVE_S = 30
 
 
 class ClusterBackend:
@@ -46,7 +43,10 @@ class ClusterBackend:
         return self.dispatcher.is_ready()
 
     def health(self) -> dict[str, object]:
-        return self.dispatcher.health()
+        index = self.dispatcher.router.index
+        return {**self.dispatcher.health(),
+                "index": {"blocks": index.num_blocks, "tenants": index.num_tenants,
+                          "pending_claims": index.num_pending_claims}}
 
     def metrics_text(self) -> bytes:
         return self.dispatcher.metrics_text()
@@ -85,15 +85,16 @@ def model_info(config: ServeConfig, max_model_len: int) -> ModelInfo:
 async def serve(config: ServeConfig) -> None:
     import setproctitle
     setproctitle.setproctitle("splitserve-frontend")
+    Access.from_config(config.http)  # a bad key file fails before any worker starts
     cluster = Cluster(config)
     dispatcher = await cluster.start()
     try:
         info = model_info(config, dispatcher.max_model_len)
-        app = build_app(ClusterBackend(dispatcher, info))
-        server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                        log_config=log_config(config.log_level.upper()),
-                                        timeout_keep_alive=KEEP_ALIVE_S,
-                                        timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
+        app = build_app(ClusterBackend(dispatcher, info), config.http)
+        server = _Server(uvicorn_config(
+            app, config.http, host=config.host, port=config.port,
+            log_config=log_config(config.log_level.upper()),
+            timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
         logger.info("serving %s on http://%s:%d (%s, %d workers)", info.served_model_names[0],
                     config.host, config.port, config.mode, len(cluster.handles))
         loop = asyncio.get_running_loop()

@@ -1,26 +1,36 @@
-"""The OpenAI-compatible HTTP app: `build_app(backend)`.
+"""The OpenAI-compatible HTTP app: `build_app(backend, http_config)`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /ready`, `GET /metrics`, and the operator routes of admin.py. Request handling is
-    body -> GenerateRequest (request_builder) -> backend.generate -> deltas
-         -> ResponseBuilder -> one JSON body, or SSE chunks (streaming)
+    body -> (worker thread: parse, tokenize, template) GenerateRequest (request_builder)
+         -> backend.generate -> deltas -> ResponseBuilder -> one JSON body, or SSE chunks
 and every failure is an exception that `errors.api_error` turns into an OpenAI error body.
+Parsing, tokenizing and template rendering run on `PROMPT_THREADS` threads, not on the
+event loop, so one huge prompt does not stall every other stream.
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from splitserve.api.admin import add_admin_routes
+from splitserve.api.admin import add_admin_routes, health_summary
+from splitserve.api.auth import TENANT_STATE, Access, AccessMiddleware
 from splitserve.api.backend import Backend
 from splitserve.api.errors import GenerationError, install_error_handlers
 from splitserve.api.logprobs import TokenStrings
-from splitserve.api.middleware import RequestIdMiddleware
-from splitserve.api.request_builder import (build_chat_request, build_completion_request,
-                                            fields_renamed, served_model, tenant_of)
+from splitserve.api.middleware import BodyMiddleware, RequestIdMiddleware
+from splitserve.api.openapi import document_bodies
+from splitserve.api.request_builder import (CacheScope, build_chat_request,
+                                            build_completion_request, cache_scope,
+                                            fields_renamed, parse_body, served_model)
 from splitserve.api.request_id import current_request_id, install_request_id_filter, logger
 from splitserve.api.response_builder import ChatBuilder, CompletionBuilder, ResponseBuilder
 from splitserve.api.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -28,18 +38,29 @@ from splitserve.api.schemas import (ChatCompletionRequest, CompletionRequest, Mo
 from splitserve.api.streaming import (EventStreamResponse, close_iterator, prepend,
                                       sse_events, until_disconnect)
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
+from splitserve.config import HttpConfig
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Threads preparing prompts: the GIL lets the loop run between their bytecodes, and two
+# keep a second request moving while one renders a long conversation; more would only
+# queue CPU work on this machine's cores.
+PROMPT_THREADS = 2
+T = TypeVar("T")
 
 
-def build_app(backend: Backend) -> FastAPI:
-    """The ASGI app serving `backend` (run it with uvicorn; pass
-    `splitserve.api.request_id.log_config()` as `log_config` to see request ids in logs)."""
+def build_app(backend: Backend, http: HttpConfig | None = None) -> FastAPI:
+    """The ASGI app serving `backend` (run it with uvicorn through
+    `api.http_protocol.uvicorn_config`; pass `splitserve.api.request_id.log_config()` as
+    `log_config` to see request ids in logs). `http`: keys, usage details, body deadline."""
+    http = http or HttpConfig()
     install_request_id_filter("uvicorn.access", "uvicorn.error")
     app = FastAPI(title="splitserve", description="OpenAI-compatible LLM serving")
     install_error_handlers(app)
+    # add_middleware puts each in front of the last: requests pass them bottom-up here.
+    app.add_middleware(BodyMiddleware, timeout_s=http.body_timeout_s)
+    app.add_middleware(AccessMiddleware, access=Access.from_config(http))
     app.add_middleware(RequestIdMiddleware)
-    routes = OpenAIRoutes(backend)
+    routes = OpenAIRoutes(backend, with_cached_tokens=http.enable_prompt_tokens_details)
     app.add_api_route("/v1/completions", routes.create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
@@ -47,38 +68,54 @@ def build_app(backend: Backend) -> FastAPI:
     app.add_api_route("/ready", routes.ready, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     add_admin_routes(app, backend)
+    document_bodies(app, {"/v1/completions": CompletionRequest,
+                          "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 
 class OpenAIRoutes:
     """The route handlers, over one backend."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, *, with_cached_tokens: bool = False) -> None:
         self.backend = backend
         self.info = backend.model_info
         self.strings = TokenStrings(self.info.tokenizer)
+        self.with_cached_tokens = with_cached_tokens
+        self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS,
+                                                  thread_name_prefix="splitserve-prompt")
 
-    async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
+    async def create_completion(self, request: Request) -> Response:
         """OpenAI `POST /v1/completions` (one prompt; vLLM's sampling extensions)."""
-        model = served_model(body.model, self.info)
         request_id = _request_id()
-        generate = build_completion_request(body, request_id, _tenant(request, body), self.info)
+        body = await self._off_loop(parse_body, CompletionRequest, await request.body())
+        model = served_model(body.model, self.info)
+        generate = await self._off_loop(build_completion_request, body, request_id,
+                                        _cache_scope(request, body), self.info)
         builder = CompletionBuilder(request_id, model, int(time.time()), self.strings,
                                     with_logprobs=body.logprobs is not None,
-                                    include_usage=_include_usage(body.stream_options))
+                                    include_usage=_include_usage(body.stream_options),
+                                    with_cached_tokens=self.with_cached_tokens)
         return await self._serve(request, generate, builder, bool(body.stream))
 
-    async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     request: Request) -> Response:
+    async def create_chat_completion(self, request: Request) -> Response:
         """OpenAI `POST /v1/chat/completions` (text content; vLLM's sampling extensions)."""
-        model = served_model(body.model, self.info)
         request_id = _request_id()
-        generate = build_chat_request(body, request_id, _tenant(request, body), self.info)
+        body = await self._off_loop(parse_body, ChatCompletionRequest, await request.body())
+        model = served_model(body.model, self.info)
+        generate = await self._off_loop(build_chat_request, body, request_id,
+                                        _cache_scope(request, body), self.info)
         builder = ChatBuilder(request_id, model, int(time.time()), self.strings,
                               with_logprobs=bool(body.logprobs),
-                              include_usage=_include_usage(body.stream_options))
+                              include_usage=_include_usage(body.stream_options),
+                              with_cached_tokens=self.with_cached_tokens)
         with fields_renamed({"prompt": "messages"}):  # the backend's prompt checks
             return await self._serve(request, generate, builder, bool(body.stream))
+
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a prompt thread, in this request's context (its id in logs)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prompt_threads, functools.partial(context.run, fn, *args))
 
     async def list_models(self) -> ModelList:
         """Every served name, with the context limit (vLLM's `max_model_len`)."""
@@ -88,8 +125,8 @@ class OpenAIRoutes:
                                for name in names])
 
     async def health(self) -> JSONResponse:
-        """200 with the backend's health summary (its exception's status otherwise)."""
-        return JSONResponse(self.backend.health())
+        """200 with counts of workers and requests; no worker's identity (/admin/health)."""
+        return JSONResponse(health_summary(self.backend.health()))
 
     async def ready(self) -> JSONResponse:
         """200 when every needed worker role is up, else 503 (a readiness probe)."""
@@ -137,8 +174,11 @@ def _request_id() -> str:
     return request_id
 
 
-def _tenant(request: Request, body: CompletionRequest | ChatCompletionRequest) -> str | None:
-    return tenant_of(request.headers.get("x-tenant"), body)
+def _cache_scope(request: Request,
+                 body: CompletionRequest | ChatCompletionRequest) -> CacheScope:
+    """The key's tenant (AccessMiddleware) decides; without keys the client's X-Tenant."""
+    return cache_scope(request.scope["state"].get(TENANT_STATE),
+                       request.headers.get("x-tenant"), body)
 
 
 def _include_usage(options: StreamOptions | None) -> bool:

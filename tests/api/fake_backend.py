@@ -16,6 +16,7 @@ SCRIPT = " The quick brown fox jumps over the lazy dog."
 MODEL_NAMES = ["smollm2", "smollm2-alias"]
 MAX_MODEL_LEN = 128
 CREATED = 1_700_000_000
+ADMIN_KEY = "admin-key-for-tests"  # the shared test server's (conftest.py)
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -104,7 +105,11 @@ class FakeBackend:
         return self.ready
 
     def health(self) -> dict[str, object]:
-        return {"workers": [{"id": "w0", "role": "both", "healthy": True}]}
+        return {"workers": [{"id": "prefill-0", "role": "prefill", "healthy": True,
+                             "incarnation": "prefill-0#1", "pid": 4242, "requests": 0},
+                            {"id": "decode-0", "role": "decode", "healthy": False,
+                             "incarnation": "decode-0#2", "pid": 4343, "requests": 1}],
+                "in_flight": 1, "queued": 0}
 
     def metrics_text(self) -> bytes:
         return b"# TYPE splitserve_requests_total counter\nsplitserve_requests_total 3\n"

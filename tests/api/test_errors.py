@@ -153,11 +153,12 @@ def test_max_tokens_past_the_context_is_400(client: openai.OpenAI, fake: FakeBac
 
 
 def test_backend_rejecting_the_prompt_is_400(client: openai.OpenAI, fake: FakeBackend) -> None:
-    fake.error_before = InvalidRequestError("prompt is empty; send a token", field="prompt")
+    # (the edge refuses an empty prompt itself: the backend's own check is faked here)
+    fake.error_before = InvalidRequestError("prompt is too long for worker 3", field="prompt")
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="smollm2", prompt="", max_tokens=2)
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
     assert info.value.param == "prompt"
-    assert info.value.body["message"] == "prompt is empty; send a token"
+    assert info.value.body["message"] == "prompt is too long for worker 3"
     with pytest.raises(openai.BadRequestError) as info:  # chat names the messages
         client.chat.completions.create(model="smollm2", messages=CHAT)
     assert info.value.param == "messages"

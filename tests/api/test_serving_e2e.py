@@ -118,6 +118,10 @@ def test_completions_stream_and_not(mode: str, request: pytest.FixtureRequest,
                                        stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference["completion"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    # Without --enable-prompt-tokens-details no response tells what was cached (the second
+    # request repeats the first's prompt: a prefix hit it must not reveal).
+    assert r.usage.prompt_tokens_details is None
+    assert chunks[-1].usage.prompt_tokens_details is None
 
 
 def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802
@@ -365,14 +369,11 @@ def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:
 
 
 def test_fault_injection_is_refused_unless_enabled(disagg: Any) -> None:
-    req = urllib.request.Request(disagg.url + "/admin/faults", method="POST",
-                                 data=json.dumps({"worker": "decode-0", "kind": "kill"}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=10)
+    with pytest.raises(urllib.error.HTTPError) as err:  # with the admin key
+        disagg.post_json("/admin/faults", {"worker": "decode-0", "kind": "kill"})
     assert err.value.code == 403
     assert "--enable-fault-injection" in json.loads(err.value.read())["error"]["message"]
-    assert len(disagg.get_json("/health")["workers"]) == 2  # nothing was killed
+    assert len(disagg.workers()) == 2  # nothing was killed
     pools = disagg.get_json("/admin/pools")["workers"]
     assert sorted(pools) == ["decode-0", "prefill-0"] and all(p["ok"] for p in pools.values())
 

@@ -21,7 +21,9 @@ SHARED = " ".join(f"Rule {i}: always answer in at most {i + 3} words." for i in 
 
 @pytest.fixture(scope="module")
 def auto(start_server: Any) -> Any:
-    return start_server("--mode", "disagg", "--disagg-policy", "auto", *FLAGS)
+    # usage.prompt_tokens_details.cached_tokens shows tenant isolation
+    return start_server("--mode", "disagg", "--disagg-policy", "auto",
+                        "--enable-prompt-tokens-details", *FLAGS)
 
 
 @pytest.fixture(scope="module")

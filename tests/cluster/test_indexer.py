@@ -1,5 +1,6 @@
 """PrefixIndex: lookups over chained hashes, event sequencing and resync, removal,
-tenant accounting, and a property test against a dict-of-sets model."""
+tenant accounting, memory bounded under distinct salts, and a property test against a
+dict-of-sets model."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,8 @@ from hypothesis import strategies as st
 
 from splitserve.cluster.router import indexer
 from splitserve.cluster.router.indexer import PrefixIndex
+from splitserve.cluster.router.router import (KVLayout, Role, RouteRequest, Router,
+                                              RouterConfig, WorkerLoad)
 from splitserve.kv_cache import KVCacheManager
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash
 from splitserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -229,3 +232,56 @@ def test_pending_claims_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # The oldest claim was forgotten: chain 0 is nobody's.
     assert [index.tenant_blocks(f"t{i}") for i in range(3)] == [0, 2, 2]
     index.check_invariants()
+
+
+# -- bounded per-namespace state ----------------------------------------------------------------
+
+def _serve_distinct_salts(router: Router, mgr: KVCacheManager, salts: range,
+                          seq: list[int]) -> None:
+    """One request per salt (its tenant too, as with no API keys) through the router and
+    an engine's block pool, as the dispatcher and a worker do: route, dispatch (claim),
+    compute and cache, KV events back, finish, tenant-cap evictions."""
+    tokens = list(range(3 * BS))
+    for salt in salts:
+        name = f"salt-{salt}"
+        hashes = hash_full_blocks(root_hash(FP, name), tokens, BS)
+        req = RouteRequest(name, hashes, len(tokens), tenant=name)
+        decision = router.route(req)
+        assert decision is not None
+        router.on_dispatched(decision, req)
+        hit = mgr.computed_prefix(hashes, len(tokens))
+        assert mgr.allocate(name, len(tokens), hit) is not None
+        mgr.cache_blocks(name, hashes, len(tokens), root_hash(FP, name))
+        mgr.free(name)
+        seq[0] += 1
+        assert router.apply_events("w", seq[0], mgr.pool.take_events())
+        router.on_finished(name)
+        mgr.pool.evict_cached(router.take_evictions().get("w", []))
+
+
+def test_distinct_salts_leave_memory_flat() -> None:
+    """100,000 distinct salts (namespaces and tenants) through the router and a 64-block
+    pool: once the pool and the bounded caches (root hashes: 4,096) have turned over, the
+    number of live Python objects no longer grows. (PrefixIndex kept an empty LRU per
+    tenant forever, ServiceRate a time per finished request.)"""
+    import gc
+    import sys
+
+    router = Router(RouterConfig(tenant_max_cached_blocks=2))
+    router.set_kv_layout(KVLayout(BS, 1024))
+    router.add_worker("w", Role.BOTH, WorkerLoad(0, 0, 0, 0, 1 << 20, 1 << 20))
+    mgr = KVCacheManager(num_blocks=64, block_size=BS)
+    mgr.pool.enable_events()
+    seq = [-1]
+    _serve_distinct_salts(router, mgr, range(0, 5_000), seq)  # warm: pool and caches full
+    gc.collect()
+    before = sys.getallocatedblocks()
+    _serve_distinct_salts(router, mgr, range(5_000, 100_000), seq)
+    gc.collect()
+    grown = sys.getallocatedblocks() - before
+    index = router.index
+    assert index.num_tenants <= index.num_blocks <= 64
+    assert index.num_pending_claims == 0
+    index.check_invariants()
+    # one object kept per salt would be 95,000 blocks
+    assert grown < 1_000, f"{grown} more memory blocks after 95,000 more salts"

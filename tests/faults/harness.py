@@ -6,10 +6,8 @@ request retried, re-prefilled or migrated to another worker mid-stream still pro
 offline engine's output bit for bit, whatever it was batched with and whatever the threads."""
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.request
 from typing import Any
 
 import openai
@@ -28,11 +26,7 @@ def model(server: Any) -> str:
 
 
 def arm(server: Any, worker: str, **spec: Any) -> dict[str, Any]:
-    body = json.dumps({"worker": worker, **spec}).encode()
-    req = urllib.request.Request(server.url + "/admin/faults", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return dict(json.loads(r.read()))
+    return dict(server.post_json("/admin/faults", {"worker": worker, **spec}))
 
 
 def metric(server: Any, name: str, **labels: str) -> float:
@@ -49,7 +43,7 @@ def wait_healthy(server: Any, num_workers: int, timeout_s: float = 180.0) -> lis
     """Until `num_workers` workers are registered and healthy (restarts included)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        workers = server.get_json("/health")["workers"]
+        workers = server.workers()
         if len(workers) == num_workers and all(w["healthy"] for w in workers):
             return list(workers)
         assert time.monotonic() < deadline, f"cluster did not heal: {workers}\n{server.log()}"
@@ -75,7 +69,7 @@ def assert_pools_clean(server: Any, num_workers: int, timeout_s: float = 60.0) -
 def worker_holding_a_request(server: Any, role: str) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        for w in server.get_json("/health")["workers"]:
+        for w in server.workers():
             if w["role"] == role and w["requests"] > 0:
                 return str(w["id"])
         time.sleep(0.02)

@@ -69,8 +69,8 @@ def test_chaos(chaos_cluster: Any) -> None:
         kills = 0
         for _ in range(NUM_KILLS):
             await asyncio.sleep(rng.uniform(0.5, 2.5))
-            workers = await asyncio.to_thread(chaos_cluster.get_json, "/health")
-            alive = [w["id"] for w in workers["workers"] if w["healthy"]]
+            workers = await asyncio.to_thread(chaos_cluster.workers)
+            alive = [w["id"] for w in workers if w["healthy"]]
             if alive:
                 await asyncio.to_thread(arm, chaos_cluster, rng.choice(alive), kind="kill",
                                         point="now")

@@ -69,7 +69,7 @@ def test_prefill_worker_dies_before_publishing(cluster: Any, offline: LLM) -> No
     assert metric(cluster, "splitserve_retries_total", reason="worker_dead") >= 1
     assert metric(cluster, "splitserve_worker_restarts_total", worker="prefill-0") == 1
     assert_pools_clean(cluster, NUM_WORKERS)
-    prefill = [w for w in cluster.get_json("/health")["workers"] if w["id"] == "prefill-0"]
+    prefill = [w for w in cluster.workers() if w["id"] == "prefill-0"]
     assert prefill[0]["incarnation"] == "prefill-0:2"
 
 

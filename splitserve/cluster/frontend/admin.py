@@ -17,6 +17,7 @@ class ClusterAdmin:
         self.table, self.link, self.metrics = table, link, metrics
         self.enabled = fault_injection
         self._pool_reports: dict[bytes, asyncio.Future[P.PoolReport]] = {}
+        self._pool_round: asyncio.Future[dict[str, dict[str, object]]] | None = None
 
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> FaultSpec:
         """Arms a fault on a worker (cluster/worker/faults.py); refused unless enabled."""
@@ -32,14 +33,26 @@ class ClusterAdmin:
         return fault
 
     async def check_pools(self, timeout_s: float = 5.0) -> dict[str, dict[str, object]]:
-        """Every live worker checks its KV pool's invariants; what each answered."""
+        """Every live worker checks its KV pool's invariants; what each answered.
+
+        Calls while a round of checks is under way share that round: each worker is asked
+        once and its answer goes to every caller (so concurrent calls neither take each
+        other's answers nor multiply the checks). A caller that leaves does not end the
+        round for the others."""
+        if self._pool_round is None or self._pool_round.done():
+            self._pool_round = asyncio.ensure_future(self._check_round(timeout_s))
+        answers = await asyncio.shield(self._pool_round)
+        return {worker_id: dict(answer) for worker_id, answer in answers.items()}
+
+    async def _check_round(self, timeout_s: float) -> dict[str, dict[str, object]]:
         loop = asyncio.get_running_loop()
         asked = {w.identity: w.worker_id for w in self.table.workers.values() if w.healthy}
         futures = {identity: loop.create_future() for identity in asked}
         self._pool_reports.update(futures)
         for identity in asked:
             self.link.send(identity, P.CheckPool())
-        await asyncio.wait(list(futures.values()), timeout=timeout_s)
+        if futures:  # asyncio.wait refuses an empty set
+            await asyncio.wait(list(futures.values()), timeout=timeout_s)
         out: dict[str, dict[str, object]] = {}
         for identity, future in futures.items():
             self._pool_reports.pop(identity, None)

@@ -14,8 +14,10 @@ dispatcher's loop is
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -66,27 +68,48 @@ class AdmissionQueue(Generic[T]):
 
 class ServiceRate:
     """Events per second over a sliding window of their times (the router's: requests
-    finished)."""
+    finished). Events are counted in NUM_BUCKETS slices of the window, so memory stays
+    the same at any rate (a deque of every event's time grew with the traffic)."""
+
+    NUM_BUCKETS = 64
 
     def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
-        self._times: deque[float] = deque()
+        self._bucket_s = window_s / self.NUM_BUCKETS
+        self._buckets: deque[_Bucket] = deque()  # oldest first, at most NUM_BUCKETS + 1
 
     def record(self, now: float) -> None:
-        self._times.append(now)
+        index = math.floor(now / self._bucket_s)
+        last = self._buckets[-1] if self._buckets else None
+        if last is not None and last.index == index:
+            last.count += 1
+            last.last_s = now
+        else:
+            self._buckets.append(_Bucket(index, now, now, 1))
         self._forget_old(now)
 
     def rate(self, now: float) -> float | None:
         """Events per second in the window; None when there were none."""
         self._forget_old(now)
-        if not self._times:
+        if not self._buckets:
             return None
-        span = max(now - self._times[0], 1.0)  # one event is not a rate per 0 seconds
-        return len(self._times) / span
+        # one event is not a rate per 0 seconds
+        span = max(now - self._buckets[0].first_s, 1.0)
+        return sum(b.count for b in self._buckets) / span
 
     def _forget_old(self, now: float) -> None:
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
+        # NOTE: a slice goes when its newest event leaves the window, so older events of
+        # it may count for up to one slice (window / NUM_BUCKETS) longer.
+        while self._buckets and now - self._buckets[0].last_s > self.window_s:
+            self._buckets.popleft()
+
+
+@dataclass(slots=True)
+class _Bucket:
+    index: int  # floor(time / bucket_s)
+    first_s: float
+    last_s: float
+    count: int
 
 
 def retry_after_s(num_queued: int, rate: float | None, min_s: float, max_s: float) -> float:

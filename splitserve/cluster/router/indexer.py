@@ -20,6 +20,9 @@ Tenant accounting: a node may have an owner tenant, learnt from `claim` (the rou
 claims each dispatched request's hashes) or inherited from its parent when stored (so a
 decode worker's output blocks count for the prompt's tenant). `tenant_blocks` counts a
 tenant's distinct indexed blocks; `evict_tenant` drops its least recently used ones.
+Memory follows the indexed blocks, not the tenants ever seen: a tenant is forgotten with
+its last indexed block, and pending claims are capped (MAX_PENDING_CLAIMS), so clients
+rotating tenants or salts leave nothing behind.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._num_entries = 0
         self._claims: OrderedDict[BlockHash, str] = OrderedDict()  # oldest first
-        # tenant -> its nodes' hashes, least recently used first
+        # tenant -> its nodes' hashes, least recently used first; never empty (a tenant
+        # leaves with its last block)
         self._tenant_lru: dict[str, OrderedDict[BlockHash, None]] = {}
 
     @property
@@ -169,7 +173,6 @@ class PrefixIndex:
         """Attribute a request's chain to `tenant` (first owner wins) and mark its indexed
         prefix as just used. The first hash not indexed yet is remembered until some
         worker stores it; the blocks after it inherit the tenant from their parent."""
-        lru = self._tenant_lru.setdefault(tenant, OrderedDict())
         indexed: list[tuple[BlockHash, _Node]] = []
         for block_hash in block_hashes:
             node = self._nodes.get(block_hash)
@@ -184,13 +187,23 @@ class PrefixIndex:
         for block_hash, node in reversed(indexed):
             if node.tenant is None:
                 node.tenant = tenant
-                lru[block_hash] = None
+                self._tenant_lru.setdefault(tenant, OrderedDict())[block_hash] = None
             elif node.tenant == tenant:
-                lru.move_to_end(block_hash)
+                self._tenant_lru[tenant].move_to_end(block_hash)
 
     def tenants(self) -> list[str]:
         """Tenants that own indexed blocks."""
-        return [tenant for tenant, lru in self._tenant_lru.items() if lru]
+        return list(self._tenant_lru)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants that own indexed blocks (what the index remembers of tenants)."""
+        return len(self._tenant_lru)
+
+    @property
+    def num_pending_claims(self) -> int:
+        """Claimed hashes no worker has stored yet (at most MAX_PENDING_CLAIMS)."""
+        return len(self._claims)
 
     def tenant_blocks(self, tenant: str) -> int:
         """Distinct indexed blocks owned by `tenant`."""
@@ -200,7 +213,7 @@ class PrefixIndex:
         """Remove up to `num_blocks` of the tenant's blocks from the index, least
         recently used leaves first (a chain loses its tail before its root), and return,
         per worker, the hashes it held among them (for the caller to evict there)."""
-        lru = self._tenant_lru.get(tenant, OrderedDict())
+        lru = self._tenant_lru.get(tenant, OrderedDict())  # emptied (and dropped) below
         evicted: dict[str, list[BlockHash]] = {}
         num_left = min(num_blocks, len(lru))
         leaves_only = True
@@ -242,6 +255,7 @@ class PrefixIndex:
                 assert block_hash in self._tenant_lru[node.tenant], "owned node not in LRU"
                 owned[node.tenant] = owned.get(node.tenant, 0) + 1
         for tenant, lru in self._tenant_lru.items():
+            assert lru, f"tenant {tenant} has an empty LRU (it should have been dropped)"
             assert len(lru) == owned.get(tenant, 0), f"tenant {tenant} LRU size mismatch"
 
     # -- internals ---------------------------------------------------------------------
@@ -315,7 +329,10 @@ class PrefixIndex:
             if parent_node is not None and parent_node.num_children > 0:
                 parent_node.num_children -= 1
             if node.tenant is not None:
-                del self._tenant_lru[node.tenant][block_hash]
+                lru = self._tenant_lru[node.tenant]
+                del lru[block_hash]
+                if not lru:
+                    del self._tenant_lru[node.tenant]
 
     def _clear(self, entry: _WorkerEntry) -> None:
         for block_hash in list(entry.hashes):
