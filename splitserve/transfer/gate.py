@@ -21,13 +21,14 @@ starved: when the slots are all taken, the oldest never-authenticated connection
 room (then the oldest parked one; a sender's pool notices a closed idle channel).
 
 **Memory bound** (what idle or slow peers can make a receiver hold): at most
-`max_connections` (1024) connections, each ~2.5 KB of Python objects (channel, socket,
-entry, selector key; measured, see tests/transfer/test_hostile_kv.py) plus its kernel
-socket buffers, which hold only bytes a peer actually sent; plus header bodies, at most
-`max_header_bytes` (2 MiB) each and `header_budget_bytes` (32 MiB) in all. About 35 MiB,
-and no thread per connection: one gate thread, plus one thread per authenticated transfer
-being received (at most one per expected import) and at most `max_drains` draining
-refused ones (receiver.py).
+`max_connections` (1024) connections, each under HELD_CONNECTION_BYTES (2 KiB) of our
+memory (channel, socket, entry, selector key: 0.8-0.9 KB measured over TCP and shm, see
+tests/transfer/test_kv_listener.py) plus kernel socket buffers, which hold only bytes a
+peer actually sent; plus header bodies, at most `max_header_bytes` (2 MiB) each and
+`header_budget_bytes` (32 MiB) in all. So at most 2 MiB + 32 MiB, and no thread per
+connection: one gate thread, plus one thread per authenticated transfer being received
+(at most one per expected import) and at most MAX_DRAINS draining refused ones
+(receiver.py).
 
 The loop never dies of an exception: a failed turn is logged and counted, and the gate
 backs off and goes on. Only after MAX_FAILED_TURNS failed turns in a row (or a
@@ -55,6 +56,7 @@ from splitserve.transfer.transport import RECEIVER_IDLE_S, Channel, Listener
 
 logger = logging.getLogger(__name__)
 
+HELD_CONNECTION_BYTES = 2 << 10  # the documented bound per held connection (see above)
 MAX_FAILED_TURNS = 30  # in a row, backing off up to 1 s each: ~25 s of a broken loop
 ACCEPT_BATCH = 64  # connections accepted per readable event, so reads are not starved
 SWEEP_S = 0.1  # how often deadlines are checked
@@ -218,8 +220,8 @@ class HeaderGate:
             self._next_sweep = now + SWEEP_S
             for held in (self._fresh, self._parked):
                 for entry in [e for e in held.values() if now >= e.deadline]:
-                    self._drop(entry)
                     self._counts["timed_out"] += 1
+                    self._drop(entry)
 
     def _accept_ready(self) -> None:
         for _ in range(ACCEPT_BATCH):
@@ -256,8 +258,8 @@ class HeaderGate:
         with self._lock:
             full = len(self._fresh) + len(self._parked) + self._busy >= self.limits.max_connections
         if full and not self._evict_one():
-            channel.close()
             self._counts["refused"] += 1
+            channel.close()
             return
         now = time.monotonic()
         deadline = now + (self.limits.idle_timeout_s if parked else self.limits.header_timeout_s)
@@ -300,9 +302,9 @@ class HeaderGate:
                 entry.body_filled += n
         except KVTransferError as exc:
             logger.debug("KV listener: closed a connection before its header: %s", exc)
-            self._drop(entry)
             if isinstance(exc, BlobFormatError):
                 self._counts["refused"] += 1
+            self._drop(entry)
             return
         assert entry.header is not None
         self._forget(entry)
@@ -350,16 +352,16 @@ class HeaderGate:
                            if e.reserved), None)
             if victim is None:  # cannot happen: one header always fits the budget
                 raise BlobFormatError("KV listener's header budget is exhausted")
-            self._drop(victim)
             self._counts["evicted"] += 1
+            self._drop(victim)
         self._reserved += size
 
     def _evict_one(self) -> bool:
         """Closes the oldest held connection (never-authenticated first); False if none."""
         for held in (self._fresh, self._parked):
             if held:
-                self._drop(next(iter(held.values())))
                 self._counts["evicted"] += 1
+                self._drop(next(iter(held.values())))
                 return True
         return False
 
