@@ -60,3 +60,43 @@ def test_serve_config_reads_yaml_and_flags_override(tmp_path: object) -> None:
         serve_config(parser.parse_args(["--config", str(path)]))
     with pytest.raises(ValueError, match="mode"):
         serve_config(argparse.Namespace(config=None, mode="weird"))
+
+
+def test_serve_config_http_edge_flags_env_and_yaml(tmp_path: object, monkeypatch) -> None:
+    import argparse
+    from pathlib import Path
+
+    import pytest
+
+    from splitserve.cli import ADMIN_KEY_ENV, API_KEY_ENV, add_serve_args, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    path = Path(str(tmp_path)) / "serve.yaml"
+    path.write_text("http:\n  body-timeout-s: 5\n  limit_concurrency: 8\nheader_timeout_s: 3\n")
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    monkeypatch.setenv(ADMIN_KEY_ENV, "admin-from-env")
+    cfg = serve_config(parser.parse_args(["--config", str(path), "--api-key-file", "k.json",
+                                          "--enable-prompt-tokens-details",
+                                          "--timeout-keep-alive", "7", "--admin-key", "flag"]))
+    http = cfg.http
+    assert (http.body_timeout_s, http.limit_concurrency, http.header_timeout_s) == (5, 8, 3)
+    assert (http.api_key, http.api_key_file, http.admin_key) == ("from-env", "k.json", "flag")
+    assert http.enable_prompt_tokens_details and http.timeout_keep_alive == 7
+    assert "from-env" not in repr(cfg) and "flag" not in repr(cfg), "keys stay out of logs"
+    assert serve_config(parser.parse_args(["--limit-concurrency", "0"])).http.limit_concurrency \
+        is None
+    path.write_text("http:\n  api_keys: [x]\n")
+    with pytest.raises(ValueError, match="unknown http options"):
+        serve_config(parser.parse_args(["--config", str(path)]))
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        serve_config(parser.parse_args(["--header-timeout-s", "0"]))
+
+
+def test_serve_with_a_bad_key_file_exits_before_starting_workers(tmp_path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text('["not", "a", "mapping"]')
+    res = run_cli("serve", "--api-key-file", str(keys), "--port", "1")
+    assert res.returncode == 2, res.stderr
+    assert "error:" in res.stderr and "JSON object" in res.stderr
+    assert "worker" not in res.stderr.lower(), res.stderr
