@@ -152,6 +152,8 @@ def test_forged_and_repeated_registrations_remove_no_one() -> None:
             await sock.send(P.encode(msg))
         await w.send(ready("both-0", max_model_len=16))  # repeated, and shrinking
         revoked = as_(b"both-0:9")
+        await revoked.send_multipart([b"hello", b"there"])  # its connection is up once
+        await until(lambda: dropped(d, "frame_count") == 1)  # this is counted
         await until(lambda: dropped(d, "refused") == len(forged) + 1)
         d.link.revoke(b"both-0:9")  # connected, then its key was revoked
         await revoked.send(P.encode(ready("both-0")))

@@ -116,7 +116,7 @@ def test_a_lost_generate_with_nowhere_to_go_fails_clearly_and_at_once() -> None:
         t0 = time.monotonic()
         with pytest.raises(WorkerFailed, match="did not take Generate"):
             await collect(d.generate(request()))
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # at once: no stage deadline was waited for
         assert not d.table.workers
     run(scenario)
 
@@ -183,7 +183,7 @@ def test_a_worker_s_send_times_out_when_the_frontend_does_not_read() -> None:
         assert sent >= 1  # the first sends went through
         t0 = time.monotonic()
         assert not worker.send(P.LoadReport(0, 0, 0, 0, 0, 1))
-        assert 0.15 <= time.monotonic() - t0 < 2.0  # the timeout, not forever
+        assert 0.15 <= time.monotonic() - t0 < 5.0  # the timeout, not forever
     finally:
         worker.close()
         router.close()
