@@ -50,12 +50,14 @@ from benchmarks.transfer_handoff import (DEADLINE_S, HANDOFF_NOTES, TTFT_PROMPT,
 from splitserve.transfer.blob import (BlobHeader, BlobReader, BlobTrailer, FrameKind,  # noqa: E402
                                       ReplyOutcome, TransferReply, record_frame)
 from splitserve.transfer.layer_codec import Compression, layer_nbytes  # noqa: E402
+from splitserve.transfer.mac import FrameMac  # noqa: E402
 from splitserve.transfer.packing import pack_layer  # noqa: E402
 from splitserve.errors import TruncatedTransfer  # noqa: E402
 from splitserve.transfer.transport import (Buffer, ChannelPool, Transport,  # noqa: E402
                                            get_transport)
 
 SIZES = [1024, 4096, 16384]
+BENCH_KEY = bytes(32)  # the transfer key (a constant: the receiver may be a spawned child)
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M (checked against the GGUF below)
 _RAW_ACK = b"k"
 
@@ -74,14 +76,14 @@ def serve_blobs(transport: Transport, address_out: list[str], stop: threading.Ev
             while True:
                 deadline = time.monotonic() + DEADLINE_S
                 reader = BlobReader(chan)
-                header = reader.read_header(deadline)
+                header = reader.read_header(deadline, BENCH_KEY)
                 chan.send(record_frame(FrameKind.REPLY, TransferReply(
-                    header.transfer_id, ReplyOutcome.ACCEPTED)), deadline)
+                    header.transfer_id, ReplyOutcome.ACCEPTED), reader.mac), deadline)
                 for layer in range(header.num_layers):
                     reader.read_layer(header, layer, deadline)
                 reader.read_trailer(header, deadline)
                 chan.send(record_frame(FrameKind.REPLY, TransferReply(
-                    header.transfer_id, ReplyOutcome.COMMITTED)), deadline)
+                    header.transfer_id, ReplyOutcome.COMMITTED), reader.mac), deadline)
         except TruncatedTransfer:
             pass  # the sender closed the channel
         finally:
@@ -158,11 +160,12 @@ def make_blob(num_tokens: int, compression: Compression, seed: int) -> Blob:
     t0 = time.perf_counter()
     # pack_layer zeroes the last block's tail in place: pack a copy, as the engine's
     # read_kv_layer hands the sender one; the copy is part of the cost.
-    frames = [pack_layer(header, i, kv.clone()) for i, kv in enumerate(layers)]
+    mac = FrameMac(BENCH_KEY, header.transfer_id)
+    frames = [pack_layer(header, i, kv.clone(), mac) for i, kv in enumerate(layers)]
     pack_s = time.perf_counter() - t0
-    return Blob(header, [record_frame(FrameKind.HEADER, header), *frames,
+    return Blob(header, [record_frame(FrameKind.HEADER, header, mac), *frames,
                          record_frame(FrameKind.TRAILER, BlobTrailer(header.transfer_id,
-                                                                     LAYERS, 1))],
+                                                                     LAYERS, 1), mac)],
                 layers, pack_s)
 
 
@@ -176,7 +179,7 @@ def send_blob(address: str, blob: Blob) -> float:
     t0 = time.perf_counter()
     deadline = time.monotonic() + DEADLINE_S
     chan, _ = _CHANNELS.acquire(address, deadline)
-    reader = BlobReader(chan)
+    reader = BlobReader(chan, FrameMac(BENCH_KEY, blob.header.transfer_id))
     accepted = False
     for parts in blob.frames:
         if not accepted and not chan.is_quiet():
