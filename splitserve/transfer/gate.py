@@ -151,14 +151,16 @@ class HeaderGate:
     def finished(self, channel: Channel, keep: bool) -> None:
         """The receiver is done with a channel `on_header` gave it (any thread): `keep` (in
         step, idle) parks it for the sender's next transfer, else it is closed."""
-        if keep and not self._closed.is_set():
-            with self._lock:
+        with self._lock:  # closed is checked under the lock close() drains _parking with
+            keep = keep and not self._closed.is_set()
+            if keep:
                 self._parking.append(channel)
+            else:
+                self._busy -= 1
+        if keep:
             self._wake()
-            return
-        channel.close()
-        with self._lock:
-            self._busy -= 1
+        else:
+            channel.close()
 
     def close(self) -> None:
         """Stops accepting and closes every held connection (not those handed out)."""
