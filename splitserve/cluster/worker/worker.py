@@ -24,9 +24,10 @@ from splitserve.cluster.worker.control import FrontendSocket
 from splitserve.cluster.worker.faults import FaultInjector
 from splitserve.cluster.worker.handoff import Handoffs
 from splitserve.cluster.worker.spec import WorkerSpec
+from splitserve.cluster.worker.stream import OutputStream
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.output import RequestOutput, stable_text_len
+from splitserve.engine.output import RequestOutput
 from splitserve.errors import InvalidRequestError, SplitserveError, StepFailed
 from splitserve.transfer.faulty import WireFault, WireFaultKind
 from splitserve.transfer.handle import TransferHandle
@@ -38,19 +39,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # longest sleep with nothing to do (deadlines are checked this often)
 BUSY_WAIT_S = 0.002  # sleep while only transfers are in flight
-
-
-class _Stream:
-    """Where a request's next output starts, as the frontend counts positions."""
-    __slots__ = ("num_chars", "num_engine_chars", "logprobs_base", "first_token_only", "stops")
-
-    def __init__(self, logprobs_base: int = 0, first_token_only: bool = False,
-                 stops: list[str] | None = None) -> None:
-        self.num_chars = 0  # text sent to the frontend
-        self.num_engine_chars = 0  # text the engine released (its delta_text, summed)
-        self.logprobs_base = logprobs_base  # output index of the engine's logprobs[0]
-        self.first_token_only = first_token_only  # a prefill for another worker
-        self.stops = stops or []
 
 
 class Worker:
@@ -67,7 +55,7 @@ class Worker:
         self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
                                       spec.send_timeout_s)
         self.frontend_gone = False
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, OutputStream] = {}
         self.reserving: dict[str, tuple[P.Generate, float]] = {}  # awaiting block room
         self.event_seq = 0
         self.steps: list[P.StepTiming] = []
@@ -215,7 +203,7 @@ class Worker:
                          await_kv=msg.await_kv, resume_token_ids=resumed):
             return
         # The engine's logprobs start at the first token sampled here.
-        self.streams[rid] = _Stream(logprobs_base=len(resumed) + (1 if msg.await_kv else 0))
+        self.streams[rid] = OutputStream(logprobs_base=len(resumed) + (1 if msg.await_kv else 0))
         if msg.await_kv:
             self.reserving[rid] = (msg, time.monotonic() + msg.kv_timeout_s)
             self._reserve()
@@ -234,7 +222,7 @@ class Worker:
         if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=hand_off,
                          resume_token_ids=resumed):
             return
-        self.streams[rid] = _Stream(logprobs_base=len(resumed), first_token_only=hand_off,
+        self.streams[rid] = OutputStream(logprobs_base=len(resumed), first_token_only=hand_off,
                                     stops=params.stop)
         if hand_off:
             self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
@@ -335,43 +323,26 @@ class Worker:
 
     def _send_output(self, out: RequestOutput, send: bool = True) -> None:
         """Streams an engine output to the frontend (`send=False`: only counts it)."""
-        stream = self.streams.get(out.request_id)
+        rid, stream = out.request_id, self.streams.get(out.request_id)
         if stream is None:
             return
-        stream.num_engine_chars += len(out.delta_text)
+        stream.count(out)
         if not send:
             return
-        finished, reason = out.finished, out.finish_reason
-        text = out.text[stream.num_chars:stream.num_engine_chars]
-        if stream.first_token_only and reason == "length":
-            # Our max_tokens ended it, not the request's: the decode worker goes on, so
-            # stream only the text that is stable whatever token comes next; the KV is
-            # held for it.
-            finished, reason = False, None
-            text = out.text[stream.num_chars:stable_text_len(out.text, stream.stops, False)]
+        if stream.hands_off(out):
             assert self.handoffs is not None
-            self.handoffs.on_prefilled(out.request_id, out.token_ids[-1])
-        elif stream.first_token_only and out.finished:
-            # It ended at its first token (a stop): nothing to hand off.
+            self.handoffs.on_prefilled(rid, out.token_ids[-1])  # the KV is held for D
+        elif stream.first_token_only and out.finished:  # a stop at token 1: no handoff
             assert self.handoffs is not None
-            if self.handoffs.end_early(out.request_id):
-                self.engine.release_kv(out.request_id)
-        num_new = len(out.delta_token_ids)
-        token_offset = len(out.token_ids) - num_new
-        logprobs, lp_offset = None, token_offset
-        if out.logprobs is not None:
-            lp_offset = max(token_offset, stream.logprobs_base)
-            logprobs = out.logprobs[lp_offset - stream.logprobs_base:]
-        self._send(P.Output(out.request_id, token_offset, list(out.delta_token_ids),
-                            stream.num_chars, text, lp_offset, logprobs, finished, reason,
-                            out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens))
-        stream.num_chars += len(text)
+            if self.handoffs.end_early(rid):
+                self.engine.release_kv(rid)
+        self._send(stream.next_output(out))
         if out.finished:
-            self.streams.pop(out.request_id, None)
+            self.streams.pop(rid, None)
             self.num_hit_tokens += out.num_cached_tokens
-        if num_new:
+        if out.delta_token_ids:
             self._inject(self.faults.fire("first_token" if stream.first_token_only
-                                          else "decode"), out.request_id)
+                                          else "decode"), rid)
 
     # -- events and reports ---------------------------------------------------------------------
     def _publish_events(self) -> None:
