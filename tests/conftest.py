@@ -242,9 +242,10 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server() -> Iterator[Any]:
-    """Factory: start_server(*flags) -> ServerProcess; every server is stopped at the end."""
+    """Factory: start_server(*flags) -> ServerProcess; a module's servers are stopped when
+    it ends (each is ~1 GB per worker: a session's worth of them would not fit in memory)."""
     servers: list[ServerProcess] = []
 
     def start(*flags: str) -> ServerProcess:

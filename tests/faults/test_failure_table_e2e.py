@@ -136,6 +136,33 @@ def test_decode_worker_dies_mid_sequence(cluster: Any, offline: LLM,
     assert_pools_clean(cluster, NUM_WORKERS)
 
 
+def test_a_client_naming_a_retried_attempt_neither_gets_nor_disturbs_it(
+        cluster: Any, offline: LLM) -> None:
+    """Issue 16: clients that send the victim's id, or the ids its retries run under
+    (`<id>#1`, `<id>#2`), as X-Request-Id while the victim is being migrated get their own
+    outputs; the victim's stream goes on exactly."""
+    other = "Name three rivers of Europe."
+    stream = client(cluster).completions.create(
+        model=model(cluster), prompt=PROMPT, max_tokens=48, stream=True, temperature=0,
+        extra_body={"ignore_eos": True})
+    text, imposters = [], []
+    for i, chunk in enumerate(stream):
+        text.append(chunk.choices[0].text if chunk.choices else "")
+        if i == 2:
+            arm(cluster, worker_holding_a_request(cluster, "decode"), kind="kill", point="now")
+            for label in (f"{chunk.id}#1", f"{chunk.id}#2", chunk.id):
+                raw = client(cluster).completions.with_raw_response.create(
+                    model=model(cluster), prompt=other, max_tokens=8, temperature=0,
+                    extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": label})
+                imposters.append((label, raw, chunk.id))
+    assert "".join(text) == expected(offline, PROMPT, 48, GREEDY)
+    for label, raw, victim_id in imposters:
+        assert raw.headers["x-request-id"] == label
+        assert raw.parse().id != victim_id
+        assert raw.parse().choices[0].text == expected(offline, other, 8, GREEDY)
+    assert_pools_clean(cluster, NUM_WORKERS)
+
+
 def test_stale_directory_is_invalidated_and_recomputed(cluster: Any, offline: LLM) -> None:
     prompt = SHARED + " Question: name a planet."
     want = expected(offline, prompt, 4, GREEDY)
