@@ -1,10 +1,10 @@
 """The KV transfer blob (DESIGN.md 4.3): framing, header/trailer/reply records, and the
 reader that validates a stream frame by frame. Byte layout: docs/transfer.md.
 
-A transfer is a stream of frames; each frame is a fixed 24-byte prelude and a body:
+A transfer is a stream of frames; each frame is a fixed 48-byte prelude and a body:
 
     prelude  "<4sBBHQ32s": magic b"SSKV" | kind u8 | flags u8 (0) | layer u16
-                           | body_len u64 | tag: HMAC-SHA256 of (context, body) (mac.py)
+                           | body_len u64 | tag: nonce || Poly1305 of the body (mac.py)
     sender -> receiver   HEADER          LAYER 0 .. LAYER n-1, TRAILER
     receiver -> sender          REPLY(accepted | rejected | duplicate)     REPLY(committed | rejected)
 
@@ -39,7 +39,7 @@ from splitserve.transfer.layer_codec import (DTYPES, Compression, decode_layer, 
 from splitserve.transfer.mac import MAC_NAME, NO_TAG, TAG_BYTES, FrameMac
 from splitserve.transfer.transport import Buffer
 
-BLOB_FORMAT_VERSION = 2  # 2: HMAC-SHA256 tags under a per-transfer key replace xxh3_64
+BLOB_FORMAT_VERSION = 3  # 2: HMAC-SHA256 tags replace xxh3_64; 3: Poly1305 tags (mac.py)
 MAGIC = b"SSKV"
 PRELUDE = struct.Struct(f"<4sBBHQ{TAG_BYTES}s")
 # Cap on header/trailer/reply bodies, checked before allocating (a 1M-token range has
@@ -286,7 +286,7 @@ class BlobReader:
         nbytes = header.layer_nbytes[layer]
         tag = self._read_prelude(FrameKind.LAYER, deadline, layer, nbytes)
         payload, view = empty_payload(nbytes)
-        mac = self._mac().start(FrameKind.LAYER, layer, nbytes)
+        mac = self._mac().start(FrameKind.LAYER, layer, nbytes, tag)
         for off in range(0, nbytes, RECV_CHUNK):
             chunk = view[off:off + RECV_CHUNK]
             self._recv(chunk, deadline)

@@ -263,3 +263,23 @@ def test_each_plan_carries_a_fresh_secret_key(make_pair: Callable[..., Pair]) ->
     for plan in plans:
         pair.receiver.cancel(plan.request_id)
         settle(pair, pair.receiver_handle(plan))
+
+
+def test_each_tag_has_its_own_one_time_key() -> None:
+    """Poly1305 keys are one-time: every tag draws a fresh nonce, so a frame sent twice or
+    two replies never share a key; a tag holds only for its body, position and transfer."""
+    from splitserve.transfer.blob import FrameKind
+    from splitserve.transfer.mac import FrameMac, new_key
+    key = new_key()
+    mac = FrameMac(key, "t-1")
+    first, second = (mac.tag(FrameKind.LAYER, 0, 3, [b"abc"]) for _ in range(2))
+    assert first != second and first[:16] != second[:16]
+    assert mac.verify(FrameKind.LAYER, 0, b"abc", first)
+    assert mac.verify(FrameKind.LAYER, 0, b"abc", second)
+    assert not mac.verify(FrameKind.LAYER, 0, b"abd", first)  # another body
+    assert not mac.verify(FrameKind.LAYER, 1, b"abc", first)  # another layer
+    assert not mac.verify(FrameKind.TRAILER, 0, b"abc", first)  # another kind
+    assert not FrameMac(key, "t-2").verify(FrameKind.LAYER, 0, b"abc", first)  # transfer
+    assert not FrameMac(new_key(), "t-1").verify(FrameKind.LAYER, 0, b"abc", first)  # key
+    forged = first[:16] + bytes(16)
+    assert not mac.verify(FrameKind.LAYER, 0, b"abc", forged)
