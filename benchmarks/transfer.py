@@ -287,6 +287,15 @@ def run_throughput(sizes: Sequence[int], reps: int) -> tuple[list[list[object]],
 
 
 NOTES = """\
+- **Authenticated frames (2026-11-24).** Every frame now carries a Poly1305 tag under a
+  one-time key from the transfer's key (issue 16; docs/transfer.md) instead of an unkeyed
+  xxh3-64 checksum: one core tags or checks ~12 GB/s (xxh3: ~28), so each side spends
+  ~1 ms more per 12 MB. Expected: TCP unchanged (loopback at ~3-5 GB/s stays the bound),
+  shm down from ~11 GB/s, since it moves bytes at memcpy speed and the check is now a
+  second pass at a similar speed; measured: TCP 91-126% of the raw socket, shm 6-7 GB/s
+  (44-54% of memcpy, from 54-84%). HMAC-SHA256, tried first (1.8 GB/s per core), made the
+  MAC the bound: TCP 1.3 GB/s (34% of the socket) and shm 1.5 GB/s (11%). The text below
+  predates the tags where it says xxh3 or checksum.
 - **TCP vs raw socket.** Expected ~90%: both pay the kernel's two copies; the transfer adds
   framing, an xxh3-64 pass on each side (~28 GB/s, small next to ~3 GB/s loopback) and
   fresh receive tensors. Both keep their connection open between transfers (until

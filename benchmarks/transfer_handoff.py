@@ -48,7 +48,7 @@ def serve_decode(address_out: list[str]) -> None:
             temperature=0, max_tokens=2, ignore_eos=True), await_kv=True)
         plan = receiver.expect(cmd["rid"], timeout_s=DEADLINE_S)
         assert plan is not None
-        print(json.dumps(plan.to_dict()), flush=True)
+        print(json.dumps({**dataclasses.asdict(plan), "key": plan.key.hex()}), flush=True)
         handle = None
         while handle is None:
             receiver.wait(0.05)  # sleeps while A computes: B must not steal A's cores
@@ -94,7 +94,8 @@ def run_ttft(reps: int) -> tuple[list[list[object]], dict[str, float]]:
                 rid = f"{mode}-{rep}"
                 prompt = [rng.randrange(100, engine.spec.vocab_size) for _ in range(TTFT_PROMPT)]
                 child.send(json.dumps({"rid": rid, "prompt": prompt}))
-                plan = TransferPlan.from_dict(json.loads(child.readline(DEADLINE_S)))
+                fields = json.loads(child.readline(DEADLINE_S))
+                plan = TransferPlan(**{**fields, "key": bytes.fromhex(fields["key"])})
                 t_arrival = time.monotonic()
                 engine.add_request(rid, prompt, first, hold_kv=True)
                 handle = sender.start(rid, plan) if mode == "streamed" else None

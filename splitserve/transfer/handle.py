@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from splitserve.engine.output import RequestOutput
 from splitserve.errors import KVTransferError
@@ -16,8 +15,8 @@ from splitserve.transfer.transport import TransferState, TransferStatus
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """What the decode side asks the prefill side to send, and where (plain data: it
-    crosses processes in the control plane as `to_dict()`).
+    """What the decode side asks the prefill side to send, and where (plain data: the
+    control plane's codec carries it in KVPlanReady / KVPlan).
 
     `[start_token, end_token)` is the receiver's import range: a prefix already cached on
     the receiver is not sent again. `timeout_s` bounds the whole transfer on each side.
@@ -35,13 +34,6 @@ class TransferPlan:
 
     def __post_init__(self) -> None:
         check_key(self.key)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(data: dict[str, Any]) -> TransferPlan:
-        return TransferPlan(**data)
 
 
 class TransferHandle:
