@@ -20,6 +20,7 @@ from zmq.utils import z85
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import ServerKeys, WorkerSecret
+from tests.faults.harness import metric
 
 FLAGS = ("--threads-per-worker", "1", "--max-model-len", "1024",
          "--kv-cache-memory-bytes", str(64 << 20))
@@ -28,15 +29,6 @@ FLAGS = ("--threads-per-worker", "1", "--max-model-len", "1024",
 @pytest.fixture(scope="module")
 def server(start_server: Any) -> Any:
     return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS)
-
-
-def metric(server: Any, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in server.get_text("/metrics").splitlines():
-        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def worker_processes(server: Any) -> dict[int, dict[str, str]]:
