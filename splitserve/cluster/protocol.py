@@ -304,6 +304,19 @@ class StepTiming:
 
 
 @dataclass(slots=True)
+class KVListenerStats:
+    """A decode worker's KV listener (transfer/gate.py): what idle, slow or forging peers
+    cost it. Cumulative counts, except `held`."""
+    held: int  # connections waiting for a whole header now
+    accepted: int
+    evicted: int  # closed to make room (connection cap or header budget)
+    refused: int  # no room at accept, or a malformed prelude
+    timed_out: int  # no header in time
+    rejected: int  # whole headers refused: malformed, unknown transfer, forged, ...
+    forged: int  # of which failed authentication (never touched an import)
+
+
+@dataclass(slots=True)
 class LoadReport:
     """Periodic (also the heartbeat): queue, memory and the step timings since the last."""
     num_running: int
@@ -315,6 +328,7 @@ class LoadReport:
     steps: list[StepTiming] = field(default_factory=list)  # since the previous report
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, cumulative
     num_prompt_tokens: int = 0  # prompt tokens admitted, cumulative
+    kv_listener: KVListenerStats | None = None  # workers that receive KV
 
 
 @dataclass(slots=True)

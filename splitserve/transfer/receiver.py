@@ -109,6 +109,7 @@ class KVReceiver:
         self._busy: set[Channel] = set()  # channels being read by a thread of ours
         self._num_drains = 0
         self.num_forged = 0  # headers that failed authentication
+        self.num_rejected_headers = 0  # headers refused: bad, unknown transfer, forged, ...
         self._gate = HeaderGate(listener, self._on_header, limits)
         self._gate.start()
 
@@ -302,6 +303,7 @@ class KVReceiver:
 
     def _refuse(self, channel: Channel, transfer_id: str, error: KVTransferError) -> None:
         """Gate thread: an untagged REJECTED if the socket takes it at once; closed."""
+        self.num_rejected_headers += 1
         self._send_reply(channel, TransferReply(transfer_id, ReplyOutcome.REJECTED,
                                                 type(error).__name__, str(error)),
                          None, REFUSE_TIMEOUT_S)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import struct
 import time
 import urllib.request
 from pathlib import Path
@@ -134,3 +135,29 @@ def test_peers_without_a_registered_key_get_nothing_in(server: Any) -> None:
                   reason="identity_mismatch") == 0
     assert worker_processes(server).keys() == procs.keys()  # no worker was disturbed
     assert complete(server)
+
+
+def test_hostile_kv_peers_are_visible_in_metrics(server: Any) -> None:
+    """Idle connections and a header for no transfer at the decode worker's KV listener
+    show in /metrics (held connections; closed, by reason) and disturb nothing."""
+    decode = [w for w in server.workers() if w["role"] == "decode"][0]
+    host, port = str(decode["kv_address"]).removeprefix("tcp://").rsplit(":", 1)
+    labels = {"worker": decode["id"]}
+    rejected = metric(server, "splitserve_kv_listener_closed_connections_total",
+                      reason="rejected", **labels)
+    body = b"\x81\xa1x\x01"  # msgpack {"x": 1}: not a header
+    prelude = struct.pack("<4sBBHQ32s", b"SSKV", 1, 0, 0, len(body), os.urandom(32))
+    idle = [socket.create_connection((host, int(port))) for _ in range(3)]
+    try:
+        with socket.create_connection((host, int(port))) as forger:
+            forger.sendall(prelude + body)
+            deadline = time.monotonic() + 20
+            while (metric(server, "splitserve_kv_listener_closed_connections_total",
+                          reason="rejected", **labels) < rejected + 1
+                   or metric(server, "splitserve_kv_listener_held_connections", **labels) < 3):
+                assert time.monotonic() < deadline, server.get_text("/metrics")[-3000:]
+                time.sleep(0.2)
+        assert complete(server)  # a real transfer still commits beside the idle ones
+    finally:
+        for sock in idle:
+            sock.close()

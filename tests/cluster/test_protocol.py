@@ -95,7 +95,9 @@ def _params(**changes: object) -> list[object]:
     (_frame(P.WorkerReady, "w", "wizard", 1, "f", 16, 1, 1, 1, None, 1), "not a Role"),
     (_frame(P.KVEventBatch, 1, [[7]]), "record tag"),
     (_frame(P.KVEventBatch, 1, [[0, ["x"], None]]), r"events\[0\]<BlockStored>.block_hashes"),
-    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [[1, 2]], 0, 0), r"steps\[0\]: StepTiming takes"),
+    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [[1, 2]], 0, 0, None), r"steps\[0\]: StepTiming takes"),
+    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [], 0, 0, [0, 0, 1, 2, 3, "x", 5, 6]),
+     r"kv_listener<KVListenerStats>.timed_out: expected int"),
     (_frame(P.Output, "r", 0, [1], 0, "", 0, [[1, None, [[1]]]], False, None, None, 1, 0),
      r"top_logprobs\[0\]: expected 2 items"),
 ])

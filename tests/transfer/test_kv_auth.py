@@ -100,6 +100,7 @@ def test_forged_kv_is_refused_and_the_real_sender_still_commits(
     reply = deliver(pair, transport, chosen)
     assert reply is not None and reply.outcome == ReplyOutcome.REJECTED
     assert reply.error_kind == "ChecksumMismatch"
+    assert pair.receiver.num_rejected_headers == 1
     assert pair.receiver.num_forged == 1
     assert_untouched(pair, handle)
     assert_commits(pair, transport, plan, real, handle)

@@ -91,6 +91,16 @@ class Metrics:
         self.prefix_query_tokens = Counter("splitserve_prefix_cache_query_tokens",
                                            "Prompt tokens looked up in a prefix cache",
                                            ["worker"], registry=r)
+        self.kv_listener_held = Gauge("splitserve_kv_listener_held_connections",
+                                      "KV listener connections waiting for a whole header",
+                                      ["worker"], registry=r)
+        self.kv_listener_closed = Counter("splitserve_kv_listener_closed_connections",
+                                          "KV listener connections closed before a transfer: "
+                                          "evicted (room), refused (no room, bad prelude), "
+                                          "timed_out (no header in time), rejected (a whole "
+                                          "header refused), forged (of which not authentic)",
+                                          ["worker", "reason"],
+                                          registry=r)
         self.kv_blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks in use",
                                     ["worker"], registry=r)
         self.kv_blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks in the pool",
@@ -195,6 +205,10 @@ class Metrics:
         self.waiting.labels(worker).set(msg.num_waiting)
         _advance(self.prefix_hit_tokens.labels(worker, "device"), msg.num_prefix_hit_tokens)
         _advance(self.prefix_query_tokens.labels(worker), msg.num_prompt_tokens)
+        if (kv := msg.kv_listener) is not None:
+            self.kv_listener_held.labels(worker).set(kv.held)
+            for reason in ("evicted", "refused", "timed_out", "rejected", "forged"):
+                _advance(self.kv_listener_closed.labels(worker, reason), getattr(kv, reason))
 
     def count_workers(self, workers: list[tuple[str, bool]]) -> None:
         """(role, healthy) of every registered worker."""

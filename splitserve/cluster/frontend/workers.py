@@ -138,7 +138,8 @@ class Workers:
     def health(self) -> list[dict[str, object]]:
         return [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
                  "incarnation": w.identity.decode(errors="replace"), "pid": w.ready.pid,
-                 "requests": len(w.request_ids)} for w in self.table.workers.values()]
+                 "requests": len(w.request_ids), "kv_address": w.ready.kv_address}
+                for w in self.table.workers.values()]
 
     def _count(self) -> None:
         self.metrics.count_workers([(w.role.value, w.healthy)

@@ -360,9 +360,16 @@ class Worker:
             num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
             kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
             steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
-            num_prompt_tokens=self.num_prompt_tokens))
+            num_prompt_tokens=self.num_prompt_tokens, kv_listener=self._listener_stats()))
         self.steps = []
         self.next_report = time.monotonic() + self.spec.report_interval_s
+
+    def _listener_stats(self) -> P.KVListenerStats | None:
+        if self.receiver is None:
+            return None
+        s = self.receiver.stats
+        return P.KVListenerStats(s.held, s.accepted, s.evicted, s.refused, s.timed_out,
+                                 self.receiver.num_rejected_headers, self.receiver.num_forged)
 
     def _send(self, msg: P.Message) -> None:
         # A send that timed out: the frontend is gone or stuck; drop the rest and exit.
