@@ -223,7 +223,8 @@ class InjectFault:
 
 @dataclass(slots=True)
 class CheckPool:
-    """Check the KV pool's invariants now and answer PoolReport."""
+    """Check the KV pool's invariants now and answer PoolReport (with the same round)."""
+    round: int
 
 
 # -- worker -> frontend ---------------------------------------------------------------------
@@ -340,6 +341,7 @@ class TransferReport:
 @dataclass(slots=True)
 class PoolReport:
     """The answer to CheckPool: whether the invariants hold and what is in use."""
+    round: int  # the CheckPool's: a late answer never counts for a later round
     ok: bool
     error: str | None
     num_used_blocks: int  # blocks referenced by requests (cached free blocks excluded)

@@ -48,7 +48,7 @@ def valid_messages() -> list[P.Message]:
             P.PrefillDone("r1", True), P.RequestFailed("r1", P.FailureKind.WORKER_ERROR, "x"),
             P.KVEventBatch(1, []), P.KVSnapshot(1, [b"h" * 16]),
             P.LoadReport(0, 0, 0, 0, 0, 100, [P.StepTiming(1, 1, 0.1)]),
-            P.TransferReport(telemetry), P.PoolReport(True, None, 0, 0)]
+            P.TransferReport(telemetry), P.PoolReport(1, True, None, 0, 0)]
 
 
 def nested_wrong_types() -> list[bytes]:
@@ -69,7 +69,7 @@ def nested_wrong_types() -> list[bytes]:
         [t[P.WorkerReady], "both-0", "both", 1, FINGERPRINT, 16, 100, 2048, 8, [b"x"], 1],
         [t[P.TransferReport], ["t1", "r1", "tcp", 9]],
         [t[P.RequestFailed], "r1", "exploded", "x", None],
-        [t[P.PoolReport], True, None, {"a": 1}, 0],
+        [t[P.PoolReport], 1, True, None, {"a": 1}, 0],
         [len(P._TYPES), 1, 2], [-1], ["Output"], {"tag": 1}, [], None, 7,
     )] + [msgpack.packb(msgpack.ExtType(5, b"\x00" * 8)),
           b"\x91" * 100_000]  # nested 100,000 arrays deep
@@ -175,7 +175,7 @@ def test_forged_and_repeated_registrations_remove_no_one() -> None:
 def test_messages_workers_do_not_send_are_refused() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (w,) = await workers(d, ctx, "both")
-        for msg in (P.Shutdown(), P.Abort("r1"), P.ResyncKV(), P.CheckPool()):
+        for msg in (P.Shutdown(), P.Abort("r1"), P.ResyncKV(), P.CheckPool(1)):
             await w.send(msg)
         await until(lambda: dropped(d, "refused") == 4)
         assert b"both-0:1" in d.table.workers

@@ -18,6 +18,7 @@ class ClusterAdmin:
         self.enabled = fault_injection
         self._pool_reports: dict[bytes, asyncio.Future[P.PoolReport]] = {}
         self._pool_round: asyncio.Future[dict[str, dict[str, object]]] | None = None
+        self._round = 0  # of the latest round: answers to earlier ones are dropped
 
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> FaultSpec:
         """Arms a fault on a worker (cluster/worker/faults.py); refused unless enabled."""
@@ -46,11 +47,12 @@ class ClusterAdmin:
 
     async def _check_round(self, timeout_s: float) -> dict[str, dict[str, object]]:
         loop = asyncio.get_running_loop()
+        self._round += 1
         asked = {w.identity: w.worker_id for w in self.table.workers.values() if w.healthy}
         futures = {identity: loop.create_future() for identity in asked}
         self._pool_reports.update(futures)
         for identity in asked:
-            self.link.send(identity, P.CheckPool())
+            self.link.send(identity, P.CheckPool(self._round))
         if futures:  # asyncio.wait refuses an empty set
             await asyncio.wait(list(futures.values()), timeout=timeout_s)
         out: dict[str, dict[str, object]] = {}
@@ -67,5 +69,5 @@ class ClusterAdmin:
 
     def on_pool_report(self, identity: bytes, msg: P.PoolReport) -> None:
         future = self._pool_reports.get(identity)
-        if future is not None and not future.done():
+        if msg.round == self._round and future is not None and not future.done():
             future.set_result(msg)

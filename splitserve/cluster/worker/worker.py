@@ -159,15 +159,15 @@ class Worker:
             self.faults.arm(msg.spec)
             logger.warning("fault armed: %s", msg.spec)
         elif isinstance(msg, P.CheckPool):
-            self._check_pool()
+            self._check_pool(msg.round)
 
-    def _check_pool(self) -> None:
+    def _check_pool(self, round_: int) -> None:
         error = None
         try:
             self.engine.check_invariants()
         except AssertionError as exc:
             error = f"AssertionError: {exc}"
-        self._send(P.PoolReport(error is None, error, self.engine.load().kv_blocks_used,
+        self._send(P.PoolReport(round_, error is None, error, self.engine.load().kv_blocks_used,
                                 len(self.engine.request_ids())))
 
     # -- fault injection (worker/faults.py; off unless the spec enables it) ---------------------
