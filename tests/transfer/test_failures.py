@@ -233,7 +233,9 @@ def test_sender_cancel_fails_both_sides_and_frees_everything(
 
 def test_prefill_abort_cancels_the_transfer(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair("inproc")
-    plan = pair.expect("r", PROMPT, PARAMS)
+    # Nothing reaches D when P aborts before its first token: D's import ends at its own
+    # deadline (in a cluster the frontend aborts it at once), well before pump's.
+    plan = pair.expect("r", PROMPT, PARAMS, timeout_s=2.0)
     pair.a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1),
                               hold_kv=True)
     send = pair.sender.start("r", plan)
