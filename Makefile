@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,ray]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -10,7 +10,7 @@ import yaml
 
 from splitserve.bench.command import add_bench_args, bench_command
 from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, HttpConfig,
-                               SchedulerConfig, ServeConfig)
+                               RayConfig, SchedulerConfig, ServeConfig)
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
@@ -134,6 +134,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (30)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     add_http_args(p)
+    add_ray_args(p)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """Where workers run: child processes (default) or Ray actors (RayConfig)."""
+    g = p.add_argument_group("runtime: where workers run (docs/operations.md)")
+    g.add_argument("--runtime", choices=["local", "ray"],
+                   help="local: child processes of this one (default); ray: Ray actors")
+    g.add_argument("--ray-address", help="Ray cluster to join: 'auto' or HOST:PORT (default: "
+                   "$RAY_ADDRESS, else start a local Ray)")
+    g.add_argument("--cluster-name", help="Ray namespace of this cluster's workers; a frontend "
+                   "started with the name of one that died re-adopts its workers (default)")
+    g.add_argument("--ray-cpus-per-worker", type=float, help="Ray CPUs per worker (1)")
+    g.add_argument("--ray-gpus-per-worker", type=float, help="Ray GPUs per worker (0)")
+    g.add_argument("--ray-role-resources", action="store_const", const=True,
+                   help="each worker also needs 1 of the custom resource named by its role "
+                   "(prefill|decode|both): nodes started with it host that pool")
+    g.add_argument("--ray-placement", choices=["none", "pack", "spread"],
+                   help="none: by resources (default); pack: one placement group on as few "
+                   "nodes as possible; spread: one per pool, across nodes")
+    g.add_argument("--restart-backoff-s", type=float,
+                   help="first wait before a dead worker is restarted; doubles up to 30 s (1)")
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -184,14 +206,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         values["limit_concurrency"] = None
     deadlines = _group(values, "deadlines", DeadlineConfig)
     http = _group(values, "http", HttpConfig)
-    known = ServeConfig.__dataclass_fields__.keys() - {"deadlines", "http"}
+    ray = _group(values, "ray", RayConfig)
+    known = ServeConfig.__dataclass_fields__.keys() - {"deadlines", "http", "ray"}
     unknown = values.keys() - known
     if unknown:
         raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(known)}")
-    return ServeConfig(**values, deadlines=deadlines, http=http)
+    return ServeConfig(**values, deadlines=deadlines, http=http, ray=ray)
 
 
-Group = TypeVar("Group", DeadlineConfig, HttpConfig)
+Group = TypeVar("Group", DeadlineConfig, HttpConfig, RayConfig)
 
 
 def _group(values: dict[str, Any], name: str, cls: type[Group]) -> Group:

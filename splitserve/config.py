@@ -132,6 +132,36 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """`--runtime ray`: where the Ray cluster is and how workers are placed on it
+    (cluster/runtime/ray.py, docs/operations.md). Unused by the local runtime."""
+    ray_address: str | None = None  # "auto", "HOST:PORT"; None: RAY_ADDRESS, else a new local Ray
+    # Workers live in the Ray namespace "splitserve-<name>"; a frontend started with the
+    # name of one that died re-adopts its live workers.
+    cluster_name: str = "default"
+    ray_cpus_per_worker: float = 1.0  # Ray CPUs per worker actor (and its torch threads)
+    ray_gpus_per_worker: float = 0.0
+    # Each worker also asks for one unit of the custom resource named by its role
+    # ("prefill", "decode", "both"): an operator dedicates a node to a pool by giving it
+    # that resource (`ray start --resources '{"prefill": 2}'`).
+    ray_role_resources: bool = False
+    # "none": Ray places each worker by its resources; "pack": one placement group, as few
+    # nodes as possible (KV stays on a node); "spread": one per pool, across nodes.
+    ray_placement: str = "none"
+    restart_backoff_s: float = 1.0  # first wait before restarting a dead worker; doubles to 30 s
+
+    def __post_init__(self) -> None:
+        if self.ray_placement not in ("none", "pack", "spread"):
+            raise ValueError(f"ray_placement={self.ray_placement!r} must be none|pack|spread")
+        if self.ray_cpus_per_worker <= 0 or self.ray_gpus_per_worker < 0:
+            raise ValueError("ray_cpus_per_worker must be > 0 and ray_gpus_per_worker >= 0")
+        if not self.cluster_name or not all(c.isalnum() or c in "-_" for c in self.cluster_name):
+            raise ValueError(f"cluster_name={self.cluster_name!r}: letters, digits, - and _")
+        if self.restart_backoff_s < 0:
+            raise ValueError("restart_backoff_s must be >= 0")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """`splitserve serve`: the frontend, the router and the worker pools on one machine.
     Every key can come from a YAML file (same names, `-` or `_`) or a flag."""
@@ -142,7 +172,7 @@ class ServeConfig:
     decode: int = 1  # decode workers (disagg); workers in agg mode
     host: str = "127.0.0.1"
     port: int = 8000
-    runtime: str = "local"
+    runtime: str = "local"  # "local" (child processes) | "ray" (Ray actors; `ray` group)
     # CPU cores per worker, e.g. [[0], [1]] (prefill workers first, then decode); None:
     # split this process's cores between the pools and pin each worker.
     worker_cores: list[list[int]] | None = None
@@ -170,6 +200,7 @@ class ServeConfig:
     kv_cache_memory_bytes: int = 1 << 30
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     log_level: str = "info"
     # On SIGTERM/Ctrl-C: stop accepting, let in-flight requests finish for this long.
     drain_timeout_s: float = 30.0
@@ -188,6 +219,11 @@ class ServeConfig:
             raise ValueError("need at least one decode worker (and prefill >= 0)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
+        if self.runtime not in ("local", "ray"):
+            raise ValueError(f"runtime={self.runtime!r} must be 'local' or 'ray'")
+        if self.runtime == "ray" and self.kv_transport != "tcp":
+            raise ValueError("--runtime ray moves KV over TCP (shared memory does not "
+                             "cross machines): use --kv-transport tcp")
 
     def engine_args(self) -> dict[str, object]:
         return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,

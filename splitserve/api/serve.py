@@ -46,7 +46,9 @@ class ClusterBackend:
         index = self.dispatcher.router.index
         return {**self.dispatcher.health(),
                 "index": {"blocks": index.num_blocks, "tenants": index.num_tenants,
-                          "pending_claims": index.num_pending_claims}}
+                          "pending_claims": index.num_pending_claims,
+                          "by_worker": {w: index.num_worker_blocks(w)
+                                        for w in index.worker_ids()}}}
 
     def metrics_text(self) -> bytes:
         return self.dispatcher.metrics_text()
@@ -95,8 +97,10 @@ async def serve(config: ServeConfig) -> None:
             app, config.http, host=config.host, port=config.port,
             log_config=log_config(config.log_level.upper()),
             timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
-        logger.info("serving %s on http://%s:%d (%s, %d workers)", info.served_model_names[0],
-                    config.host, config.port, config.mode, len(cluster.handles))
+        logger.info("serving %s on http://%s:%d (%s, %d workers on the %s runtime%s)",
+                    info.served_model_names[0], config.host, config.port, config.mode,
+                    len(cluster.handles), config.runtime,
+                    f", adopted {cluster.adopted}" if cluster.adopted else "")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import replace
 
 from splitserve.cluster.frontend.dispatcher import Dispatcher
@@ -22,6 +23,8 @@ from splitserve.config import ServeConfig
 logger = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.5
+MAX_RESTART_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0  # a restarted worker alive this long resets its backoff
 
 
 def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
@@ -57,10 +60,13 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
 class Cluster:
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None) -> None:
         self.config = config
-        self.runtime = runtime or get_runtime(config.runtime)
+        self.runtime = runtime or get_runtime(config)
         self.handles: list[WorkerHandle] = []
         self.dispatcher: Dispatcher | None = None
+        self.adopted: list[str] = []  # worker ids taken over from a previous frontend
         self._watch: asyncio.Task[None] | None = None
+        self._failures: dict[int, int] = {}  # handle index -> restarts in a row
+        self._started: dict[int, float] = {}  # handle index -> when its restart started
 
     async def start(self) -> Dispatcher:
         cfg = self.config
@@ -74,19 +80,40 @@ class Cluster:
                               wait_for_restarts=cfg.restart_workers),
             fault_injection=cfg.enable_fault_injection,
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
-            slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None)
+            slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
+            control_host=self.runtime.control_host)
         dispatcher.start()
-        specs = worker_specs(cfg, dispatcher.address)
+        specs = [self.runtime.worker_spec(s) for s in worker_specs(cfg, dispatcher.address)]
         try:
-            for spec in specs:
-                secret = dispatcher.link.enroll(spec.identity)
-                self.handles.append(self.runtime.start_worker(spec, secret))
+            await asyncio.to_thread(self.runtime.reserve, specs,
+                                    cfg.deadlines.worker_start_timeout_s)
+            await self._start_or_adopt(specs)
             await self._wait_registered(len(specs))
         except BaseException:
             await self.stop()
             raise
         self._watch = asyncio.create_task(self._watch_loop(), name="cluster-watch")
         return dispatcher
+
+    async def _start_or_adopt(self, specs: list[WorkerSpec]) -> None:
+        """Adopts the live workers a previous frontend of this cluster left (Ray), where
+        they do the work `specs` asks for (same role, index, engine and placement), and
+        starts the rest; found workers not adopted are stopped first."""
+        assert self.dispatcher is not None
+        link, address = self.dispatcher.link, self.dispatcher.address
+        found = {s.worker_id: s for s in await asyncio.to_thread(self.runtime.find_workers)}
+        adopt = {s.worker_id: found[s.worker_id] for s in specs
+                 if s.worker_id in found and found[s.worker_id].same_work(s)}
+        for worker_id, old in adopt.items():
+            self.handles.append(self.runtime.adopt_worker(old, address, link.enroll(old.identity)))
+            self.adopted.append(worker_id)
+            logger.info("adopted %s (incarnation %d)", worker_id, old.epoch)
+        await asyncio.to_thread(self.runtime.release_found)
+        for spec in specs:
+            if spec.worker_id not in adopt:
+                if spec.worker_id in found:  # a new incarnation of a different shape
+                    spec = replace(spec, epoch=found[spec.worker_id].epoch + 1)
+                self.handles.append(self.runtime.start_worker(spec, link.enroll(spec.identity)))
 
     async def _wait_registered(self, num: int) -> None:
         assert self.dispatcher is not None
@@ -101,28 +128,49 @@ class Cluster:
         waiting.result()
 
     async def _watch_loop(self) -> None:
-        """A worker process that exits is dead at once (no need to wait for heartbeats);
-        with `restart_workers`, a new incarnation (epoch + 1) takes its place, as a
-        supervisor (systemd, Kubernetes) would restart it. A worker that exits before it
-        ever registered is not restarted: it would fail the same way again."""
+        """A worker that exits (process or actor, or its node) is dead at once (no need to
+        wait for heartbeats); with `restart_workers`, a new incarnation (epoch + 1) takes
+        its place after a backoff (`restart_backoff_s`, doubling to 30 s while it keeps
+        dying within a minute), as a supervisor (systemd, Kubernetes) would restart it.
+        Every restart is counted (splitserve_worker_restarts_total). A worker that exits
+        before it ever registered is not restarted: it would fail the same way again."""
         dispatcher = self.dispatcher
         assert dispatcher is not None
+        restart_at: dict[int, float] = {}  # handle index -> when its restart is due
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
+            now = time.monotonic()
             for i, handle in enumerate(self.handles):
-                if self.runtime.is_alive(handle):
-                    continue
                 spec = handle.spec
+                if i in restart_at:
+                    if now >= restart_at[i]:
+                        del restart_at[i]
+                        self._restart(i)
+                    continue
+                if self.runtime.is_alive(handle):
+                    if now - self._started.get(i, 0.0) > STABLE_AFTER_S:
+                        self._failures.pop(i, None)
+                    continue
                 dispatcher.mark_dead(spec.identity, "exited")
                 dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
                     continue
-                self.runtime.stop_worker(handle)  # reaps the exited process
-                new = replace(spec, epoch=spec.epoch + 1)
-                self.handles[i] = self.runtime.start_worker(new, dispatcher.link.enroll(
-                    new.identity))
-                dispatcher.metrics.worker_restarts.labels(spec.worker_id).inc()
-                logger.warning("restarted %s as epoch %d", spec.worker_id, spec.epoch + 1)
+                self.runtime.stop_worker(handle)  # reaps the exited process or actor
+                n = self._failures.get(i, 0)
+                self._failures[i] = n + 1
+                delay = min(MAX_RESTART_BACKOFF_S, self.config.ray.restart_backoff_s * 2 ** n)
+                restart_at[i] = now + delay
+                logger.warning("%s exited; restarting it in %.1f s", spec.worker_id, delay)
+
+    def _restart(self, i: int) -> None:
+        assert self.dispatcher is not None
+        spec = self.handles[i].spec
+        new = replace(spec, epoch=spec.epoch + 1)
+        self.handles[i] = self.runtime.start_worker(new, self.dispatcher.link.enroll(
+            new.identity))
+        self._started[i] = time.monotonic()
+        self.dispatcher.metrics.worker_restarts.labels(spec.worker_id).inc()
+        logger.warning("restarted %s as epoch %d", spec.worker_id, new.epoch)
 
     async def stop(self) -> None:
         if self._watch is not None:

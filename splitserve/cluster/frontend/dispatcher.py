@@ -57,13 +57,13 @@ class Dispatcher:
                  max_queue_len: int = 256, retry: RetryPolicy = RetryPolicy(),
                  fault_injection: bool = False,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, control_host: str = "127.0.0.1") -> None:
         self.router = router
         self.deadlines = deadlines
         self.retry = retry
         self.metrics = metrics or Metrics()
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
-        self.link = WorkerLink(self.metrics)
+        self.link = WorkerLink(self.metrics, control_host)
         self.address = self.link.address
         self.workers = Workers(router, self.link, self.metrics)
         self.table = self.workers.table

@@ -73,8 +73,10 @@ class WorkerLink:
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        # Port 0 (`*`): the kernel picks a free one at bind time, so no collision with
+        # another process; the address published is the one bound.
+        self.sock.bind(f"tcp://{host}:*")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._num_logged: dict[DropReason, int] = {}
 
     @property

@@ -25,6 +25,18 @@ class WorkerHandle:
 class Runtime(ABC):
     """Starts workers somewhere and tells whether they still run."""
 
+    # Where the frontend's control socket binds: an address every worker can reach.
+    control_host: str = "127.0.0.1"
+
+    def worker_spec(self, spec: WorkerSpec) -> WorkerSpec:
+        """The spec as this runtime runs it (a Ray worker: its CPUs as threads, no core
+        pinning, outliving the frontend)."""
+        return spec
+
+    def reserve(self, specs: list[WorkerSpec], timeout_s: float) -> None:
+        """Called once before the first start_worker with every worker the cluster will
+        run (a Ray runtime makes its placement groups here)."""
+
     @abstractmethod
     def start_worker(self, spec: WorkerSpec, secret: WorkerSecret) -> WorkerHandle: ...
 
@@ -39,3 +51,17 @@ class Runtime(ABC):
     def shutdown(self, handles: list[WorkerHandle], timeout_s: float = 10.0) -> None:
         for handle in handles:
             self.stop_worker(handle, timeout_s)
+
+    # -- workers that outlive the frontend (none on a runtime whose workers die with it) -----
+    def find_workers(self) -> list[WorkerSpec]:
+        """Live workers a previous frontend of this cluster left behind."""
+        return []
+
+    def adopt_worker(self, spec: WorkerSpec, frontend_address: str,
+                     secret: WorkerSecret) -> WorkerHandle:
+        """Hands a found worker this frontend's address and a fresh secret: it ends the
+        old frontend's requests and registers again, with its weights and its cache."""
+        raise NotImplementedError(f"{type(self).__name__} cannot adopt workers")
+
+    def release_found(self, timeout_s: float = 10.0) -> None:
+        """Stops the found workers that were not adopted (no longer asked for)."""

@@ -63,6 +63,6 @@ class FrontendSocket:
             return False
         return True
 
-    def close(self) -> None:
-        self.sock.close()
+    def close(self, linger_ms: int | None = None) -> None:
+        self.sock.close(linger=linger_ms)
         self.ctx.term()

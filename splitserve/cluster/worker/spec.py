@@ -4,7 +4,7 @@ The worker's control-plane key travels apart from it (cluster/auth.py: WorkerSec
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from splitserve.cluster.protocol import Role
@@ -19,6 +19,12 @@ class WorkerSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs
     cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
+    # The TCP KV listener binds this host with port 0 and publishes the address it got
+    # (WorkerReady.kv_address): the node's own address on Ray, loopback locally.
+    kv_host: str = "127.0.0.1"
+    # When the frontend is gone, wait to be adopted by a new one (Worker.adopt) instead
+    # of exiting: Ray workers outlive the frontend; local ones die with it.
+    outlive_frontend: bool = False
     report_interval_s: float = 0.1  # load reports, which double as heartbeats
     fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; worker/faults.py)
     # A send the frontend has not taken in this long (it is gone or stuck, and ZeroMQ's
@@ -36,6 +42,11 @@ class WorkerSpec:
     def identity(self) -> bytes:
         """The worker's ZeroMQ routing id: who it is and which incarnation."""
         return f"{self.worker_id}:{self.epoch}".encode()
+
+    def same_work(self, other: WorkerSpec) -> bool:
+        """The same worker but for its incarnation and frontend (may be adopted for it)."""
+        return replace(self, epoch=other.epoch, frontend_address=other.frontend_address,
+                       kv_host=other.kv_host) == other
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

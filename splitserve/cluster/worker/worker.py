@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -48,8 +49,9 @@ class Worker:
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
         self.sender = KVSender(self.engine) if spec.role is not Role.DECODE else None
         self.handoffs = Handoffs(self.engine, self.sender) if self.sender else None
-        self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen())
-                         if spec.role.can_decode else None)
+        self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen(
+            f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
+            if spec.role.can_decode else None)
         # A CURVE client keyed by `secret` (cluster/auth.py); sends time out when the
         # frontend is gone (then this worker exits: `_send`).
         self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
@@ -63,21 +65,16 @@ class Worker:
         self.next_report = 0.0
         self.stopping = False
         self.faults = FaultInjector(spec.fault_injection)
+        self._adoption: tuple[str, WorkerSecret] | None = None  # set by adopt(), any thread
+        self._adoption_lock = threading.Lock()
 
     # -- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
-        spec, engine = self.spec, self.engine
-        spec_ = engine.spec
-        self._send(P.WorkerReady(
-            worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
-            fingerprint=engine.fingerprint, block_size=engine.block_size,
-            num_blocks=engine.num_blocks, max_model_len=engine.context_limit,
-            max_num_seqs=engine.config.scheduler.max_num_seqs,
-            kv_address=self.receiver.address if self.receiver else None,
-            kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
-            * engine.kv_cache.element_size()))
+        engine = self.engine
+        self._register()
         parent = os.getppid()
         while not self.stopping:
+            self._take_adoption()
             self._receive(self._wait_s())
             self._inject(self.faults.fire("now"))
             outputs = self._step()
@@ -95,6 +92,54 @@ class Worker:
                     logger.warning("parent process is gone; exiting")
                     break
         self.close()
+
+    def _register(self) -> None:
+        engine, spec_ = self.engine, self.engine.spec
+        self._send(P.WorkerReady(
+            worker_id=self.spec.worker_id, role=self.spec.role, pid=os.getpid(),
+            fingerprint=engine.fingerprint, block_size=engine.block_size,
+            num_blocks=engine.num_blocks, max_model_len=engine.context_limit,
+            max_num_seqs=engine.config.scheduler.max_num_seqs,
+            kv_address=self.receiver.address if self.receiver else None,
+            kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
+            * engine.kv_cache.element_size()))
+
+    # -- a new frontend (Ray runtime: workers outlive the frontend) -------------------------
+    def adopt(self, frontend_address: str, secret: WorkerSecret) -> None:
+        """Called from any thread: join the frontend at `frontend_address` with `secret`
+        (the engine thread does it at its next turn). Requests of the previous frontend
+        end (their clients were its connections), the cached prefixes stay and are told
+        to the new frontend (KVSnapshot) right after WorkerReady; the weights stay loaded."""
+        with self._adoption_lock:
+            self._adoption = (frontend_address, secret)
+
+    def _take_adoption(self) -> None:
+        with self._adoption_lock:
+            adoption, self._adoption = self._adoption, None
+        if adoption is None:
+            if self.frontend_gone:  # outlive_frontend: its requests have no client left
+                self._abort_all()
+            return
+        address, secret = adoption
+        logger.warning("adopted by the frontend at %s; ending %d requests of the previous one",
+                       address, len(self._request_ids()))
+        self._abort_all()
+        self.control.close(linger_ms=0)  # what was queued for the old frontend is dropped
+        self.spec = replace(self.spec, frontend_address=address)
+        self.control = FrontendSocket(address, self.spec.identity, secret,
+                                      self.spec.send_timeout_s)
+        self.frontend_gone = False
+        self.engine.take_kv_events()  # the snapshot below says it all
+        self._register()
+        self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
+        self.next_report = 0.0
+
+    def _request_ids(self) -> set[str]:
+        return set(self.engine.request_ids()) | set(self.streams) | set(self.reserving)
+
+    def _abort_all(self) -> None:
+        for rid in self._request_ids():
+            self._abort(rid)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; a step that raises fails its requests, not this process (each
@@ -372,14 +417,20 @@ class Worker:
                                  self.receiver.num_rejected_headers, self.receiver.num_forged)
 
     def _send(self, msg: P.Message) -> None:
-        # A send that timed out: the frontend is gone or stuck; drop the rest and exit.
-        if not self.frontend_gone and not self.control.send(msg):
+        # A send that timed out: the frontend is gone or stuck; drop the rest and exit,
+        # or (outlive_frontend) end its requests and wait for a new frontend's adopt().
+        if self.frontend_gone or self.control.send(msg):
+            return
+        self.frontend_gone = True
+        if not self.spec.outlive_frontend:
             logger.error("the frontend took nothing for %g s; exiting", self.spec.send_timeout_s)
-            self.frontend_gone = self.stopping = True
+            self.stopping = True
+            return
+        logger.error("the frontend took nothing for %g s; ending its requests (next turn) "
+                     "and waiting to be adopted", self.spec.send_timeout_s)
 
     def close(self) -> None:
-        for rid in self.engine.request_ids():
-            self._abort(rid)
+        self._abort_all()
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:
