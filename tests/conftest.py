@@ -140,6 +140,7 @@ class ServerProcess:
     def __init__(self, *flags: str, ready_timeout_s: float = 300.0, cwd: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         """`cwd` and `env` (default: this process's) let a benchmark run another checkout."""
+        self.flags = flags
         import secrets
         import socket
         import subprocess
@@ -219,6 +220,11 @@ class ServerProcess:
                 raise
             return list(self.get_json("/health")["workers"])
 
+    def restarts(self) -> float:
+        """splitserve_worker_restarts_total over every worker."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self.get_text("/metrics").splitlines()
+                   if line.startswith("splitserve_worker_restarts_total"))
+
     def worker_pids(self) -> list[int]:
         return [int(w["pid"]) for w in self.workers()]
 
@@ -254,4 +260,8 @@ def start_server() -> Iterator[Any]:
         return server
     yield start
     for server in servers:
+        # A restart must never hide a failure: a server that no test broke on purpose
+        # (fault injection) ends with every worker in its first incarnation.
+        if "--enable-fault-injection" not in server.flags and server.proc.poll() is None:
+            assert server.restarts() == 0, f"a worker was restarted: {server.log()}"
         server.stop()

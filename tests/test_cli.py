@@ -100,3 +100,32 @@ def test_serve_with_a_bad_key_file_exits_before_starting_workers(tmp_path) -> No
     assert res.returncode == 2, res.stderr
     assert "error:" in res.stderr and "JSON object" in res.stderr
     assert "worker" not in res.stderr.lower(), res.stderr
+
+
+def test_serve_config_ray_runtime_flags_and_yaml(tmp_path: object) -> None:
+    import argparse
+    from pathlib import Path
+
+    import pytest
+
+    from splitserve.cli import add_serve_args, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve_config(parser.parse_args([])).runtime == "local"
+    path = Path(str(tmp_path)) / "serve.yaml"
+    path.write_text("runtime: ray\nray:\n  ray-address: auto\n  ray_placement: spread\n"
+                    "cluster_name: prod-a\n")
+    cfg = serve_config(parser.parse_args(["--config", str(path), "--ray-role-resources",
+                                          "--ray-cpus-per-worker", "2"]))
+    ray = cfg.ray
+    assert cfg.runtime == "ray" and (ray.ray_address, ray.cluster_name) == ("auto", "prod-a")
+    assert (ray.ray_placement, ray.ray_role_resources, ray.ray_cpus_per_worker) == (
+        "spread", True, 2.0)
+    with pytest.raises(ValueError, match="kv-transport tcp"):
+        serve_config(parser.parse_args(["--runtime", "ray", "--kv-transport", "shm"]))
+    with pytest.raises(ValueError, match="cluster_name"):
+        serve_config(parser.parse_args(["--cluster-name", "a b"]))
+    path.write_text("ray:\n  placement: pack\n")
+    with pytest.raises(ValueError, match="unknown ray options"):
+        serve_config(parser.parse_args(["--config", str(path)]))

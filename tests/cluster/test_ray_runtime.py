@@ -77,12 +77,6 @@ def _long(server: ServerProcess) -> str:
         temperature=0.0).choices[0].message.content)
 
 
-def _restarts(server: ServerProcess) -> float:
-    return sum(float(line.rsplit(" ", 1)[1])
-               for line in server.get_text("/metrics").splitlines()
-               if line.startswith("splitserve_worker_restarts_total"))
-
-
 def _metric(server: ServerProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
                if line.startswith(name) and not line.startswith("#"))
@@ -183,7 +177,7 @@ def test_same_outputs_as_local_runtime(ray_server: type[_Servers],
     assert _long(server) == reference["long"]
     # Real KV bytes crossed between the prefill node and the decode nodes, over TCP.
     assert _metric(server, "splitserve_kv_transfer_bytes_total") > 0
-    assert _restarts(server) == 0
+    assert server.restarts() == 0
 
 
 def test_replaced_frontend_adopts_the_workers(ray_cluster: Cluster, ray_server: type[_Servers],
@@ -207,7 +201,7 @@ def test_replaced_frontend_adopts_the_workers(ray_cluster: Cluster, ray_server: 
     # The dead frontend's request ended on its workers: nothing held, nothing leaked.
     assert_pools_clean(new, 3)
     assert _complete_all(new) == reference["texts"]
-    assert _restarts(new) == 0
+    assert new.restarts() == 0
     print(f"replacement frontend ready in {time.monotonic() - started:.1f} s")
 
 
@@ -231,7 +225,7 @@ def test_eight_workers_on_one_node(ray_cluster: Cluster) -> None:
         for prompt in PROMPTS:
             assert client.chat.completions.create(model=model, messages=_messages(prompt),
                                                   max_tokens=4).choices[0].message.content
-        assert _restarts(server) == 0
+        assert server.restarts() == 0
         assert "restarting" not in server.log()
     finally:
         if server is not None:
@@ -262,7 +256,7 @@ def test_node_loss_mid_stream(ray_cluster: Cluster, ray_server: type[_Servers],
     assert victim["id"] not in live and victim["id"] not in health["index"]["by_worker"]
     assert _metric(server, "splitserve_migrations_total") >= 1
     # The restart is counted; Ray cannot place it (no node has a free `decode`).
-    assert _restarts(server) == 1
+    assert server.restarts() == 1
     survivor = next(w for w in health["workers"] if w["role"] == "decode")
     assert _complete_all(server) == reference["texts"]
     assert survivor["id"] in server.get_json("/admin/health")["index"]["by_worker"]

@@ -1,0 +1,36 @@
+"""The Runtime interface's small parts: which found worker may be adopted, and the local
+runtime's answer to adoption (its workers die with the frontend: none to find)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from splitserve.cluster.protocol import Role
+from splitserve.cluster.runtime import LocalRuntime, get_runtime
+from splitserve.cluster.worker.spec import WorkerSpec
+from splitserve.config import ServeConfig
+
+
+def _spec(**kw: object) -> WorkerSpec:
+    base = WorkerSpec(role=Role.DECODE, index=0, epoch=1, frontend_address="tcp://10.0.0.1:5",
+                      engine_args={"model": None, "max_num_seqs": 8})
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_a_found_worker_is_adopted_only_for_the_same_work() -> None:
+    found = _spec(epoch=4, frontend_address="tcp://10.0.0.2:6", kv_host="10.0.0.3")
+    assert found.same_work(_spec())  # another incarnation, frontend and node: same work
+    assert not found.same_work(_spec(index=1))
+    assert not found.same_work(_spec(role=Role.PREFILL))
+    assert not found.same_work(_spec(engine_args={"model": None, "max_num_seqs": 16}))
+    assert not found.same_work(_spec(kv_transport="shm"))
+
+
+def test_the_local_runtime_finds_nothing_to_adopt() -> None:
+    runtime = get_runtime(ServeConfig())
+    assert isinstance(runtime, LocalRuntime) and runtime.control_host == "127.0.0.1"
+    assert runtime.find_workers() == []
+    with pytest.raises(NotImplementedError):
+        runtime.adopt_worker(_spec(), "tcp://127.0.0.1:1", None)  # type: ignore[arg-type]
+    assert runtime.worker_spec(_spec()) == _spec()
