@@ -57,6 +57,11 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
     return specs
 
 
+def restart_delay(base_s: float, failures: int) -> float:
+    """The wait before restarting a worker that died `failures` times in a row before."""
+    return min(MAX_RESTART_BACKOFF_S, base_s * 2 ** min(failures, 16))
+
+
 class Cluster:
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None) -> None:
         self.config = config
@@ -158,7 +163,7 @@ class Cluster:
                 self.runtime.stop_worker(handle)  # reaps the exited process or actor
                 n = self._failures.get(i, 0)
                 self._failures[i] = n + 1
-                delay = min(MAX_RESTART_BACKOFF_S, self.config.ray.restart_backoff_s * 2 ** n)
+                delay = restart_delay(self.config.ray.restart_backoff_s, n)
                 restart_at[i] = now + delay
                 logger.warning("%s exited; restarting it in %.1f s", spec.worker_id, delay)
 

@@ -233,6 +233,41 @@ def test_eight_workers_on_one_node(ray_cluster: Cluster) -> None:
         ray_cluster.remove_node(node)
 
 
+def test_placement_groups_pack_and_spread(ray_cluster: Cluster) -> None:
+    """pack: one PACK group (a prefill and a decode worker share a node where one fits
+    both); spread: one SPREAD group per pool (a pool's workers on different nodes). The
+    groups go with the server."""
+    nodes = [ray_cluster.add_node(num_cpus=2) for _ in range(2)]
+    try:
+        for placement, decode in (("pack", 1), ("spread", 2)):
+            name = f"t-{placement}"
+            server = ServerProcess("--runtime", "ray", "--ray-address", ray_cluster.address,
+                                   "--cluster-name", name, "--ray-placement", placement,
+                                   "--prefill", "1", "--decode", str(decode),
+                                   "--kv-cache-memory-bytes", str(32 << 20))
+            try:
+                where = {w["id"]: _actor_info(w["incarnation"], name)["node_id"]
+                         for w in server.workers()}
+                if placement == "pack":
+                    assert where["prefill-0"] == where["decode-0"], where
+                else:
+                    assert where["decode-0"] != where["decode-1"], where
+                groups = {g["name"]: g["strategy"] for g in
+                          ray.util.placement_group_table().values() if g["state"] == "CREATED"}
+                expected = ({f"splitserve-{name}-all": "PACK"} if placement == "pack" else
+                            {f"splitserve-{name}-prefill": "SPREAD",
+                             f"splitserve-{name}-decode": "SPREAD"})
+                assert {k: v for k, v in groups.items() if name in k} == expected
+                assert _complete_all(server)
+            finally:
+                assert server.stop() == 0
+            assert not [g for g in ray.util.placement_group_table().values()
+                        if name in g["name"] and g["state"] == "CREATED"]
+    finally:
+        for node in nodes:
+            ray_cluster.remove_node(node)
+
+
 def test_node_loss_mid_stream(ray_cluster: Cluster, ray_server: type[_Servers],
                               reference: dict[str, Any]) -> None:
     server = ray_server.current

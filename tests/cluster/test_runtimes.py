@@ -34,3 +34,10 @@ def test_the_local_runtime_finds_nothing_to_adopt() -> None:
     with pytest.raises(NotImplementedError):
         runtime.adopt_worker(_spec(), "tcp://127.0.0.1:1", None)  # type: ignore[arg-type]
     assert runtime.worker_spec(_spec()) == _spec()
+
+
+def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
+    from splitserve.cluster.launcher import MAX_RESTART_BACKOFF_S, restart_delay
+    assert [restart_delay(1.0, n) for n in range(4)] == [1.0, 2.0, 4.0, 8.0]
+    assert restart_delay(1.0, 10) == restart_delay(1.0, 10_000) == MAX_RESTART_BACKOFF_S
+    assert restart_delay(0.0, 3) == 0.0
