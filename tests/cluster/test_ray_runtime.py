@@ -18,13 +18,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import ray  # the `ray` extra; `make test` installs it
+from openai import OpenAI
+from ray.cluster_utils import Cluster
 
-ray = pytest.importorskip("ray")  # the `ray` extra; `make test` installs it
-from openai import OpenAI  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from tests.conftest import ServerProcess  # noqa: E402
-from tests.faults.harness import assert_pools_clean  # noqa: E402
+from tests.conftest import ServerProcess
+from tests.faults.harness import assert_pools_clean
 
 # Long enough for full KV blocks (16 tokens) on every worker that holds it.
 SYSTEM = ("You are a careful assistant. Answer in plain English, in full sentences, and "
@@ -200,6 +199,13 @@ def test_replaced_frontend_adopts_the_workers(ray_cluster: Cluster, ray_server: 
     assert after == before  # same processes, same incarnations: nothing was reloaded
     # The dead frontend's request ended on its workers: nothing held, nothing leaked.
     assert_pools_clean(new, 3)
+    # Their cached prefixes came with them (KVSnapshot after WorkerReady): the new
+    # router's index starts warm.
+    deadline = time.monotonic() + 10
+    while not all(new.get_json("/admin/health")["index"]["by_worker"].get(w, 0) > 0
+                  for w in ("decode-0", "decode-1")):
+        assert time.monotonic() < deadline, new.get_json("/admin/health")["index"]
+        time.sleep(0.2)
     assert _complete_all(new) == reference["texts"]
     assert new.restarts() == 0
     print(f"replacement frontend ready in {time.monotonic() - started:.1f} s")

@@ -1,11 +1,13 @@
-"""Starting and stopping workers: one small interface.
+"""Starting and stopping workers: one small interface, two runtimes (local.py, ray.py).
 
-A runtime only launches a worker from a `WorkerSpec` (cluster/worker/spec.py) and its
+A runtime launches a worker from a `WorkerSpec` (cluster/worker/spec.py) and its
 `WorkerSecret` (cluster/auth.py), and reports whether it is alive. Everything else
-(registration, tokens, KV) goes over the frontend's socket, so a Ray runtime can
-implement the same interface by starting the same worker as an actor. The secret must
-reach the worker privately: never on a command line or in an environment (LocalRuntime
-writes it to the child's stdin).
+(registration, tokens, KV) goes over the frontend's socket, so the local runtime's child
+process and the Ray runtime's actor run the same `Worker`. The secret must reach the
+worker privately: never on a command line or in an environment (LocalRuntime writes it
+to the child's stdin; RayRuntime passes it as an actor argument over Ray's links).
+A runtime whose workers outlive the frontend also lets a new frontend find and adopt
+them (`find_workers`, `adopt_worker`).
 """
 from __future__ import annotations
 
