@@ -280,11 +280,28 @@ class LLMEngine(KVConnector):
                               req.num_computed_tokens,
                               tuple(req.block_hashes[:n // self.block_size]))
 
+    def detach(self, request_id: str) -> int:
+        """Ends a decoding request here and holds its KV for export (live migration): the
+        KV of every token it computed, exactly what a prefill of its prompt and output so
+        far would hold. Returns its last sampled token, whose KV is not computed yet: the
+        receiver's first token, as after a prefill. KVImportError when the request is not
+        decoding (waiting, mid-prefill, awaiting KV, or unknown)."""
+        req = self.scheduler.requests.get(request_id)
+        if (req is None or req.status is not RequestStatus.RUNNING or not req.output_token_ids
+                or req.num_computed_tokens != req.num_tokens - 1):
+            raise KVImportError(f"request {request_id!r} is not decoding here; only a "
+                                "decoding request can move with its KV")
+        req.hold_kv = True
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)  # keeps its KV
+        self.detokenizer.remove(request_id)
+        self._held[request_id] = req
+        return req.all_token_ids[-1]
+
     def export_kv(self, request_id: str) -> KVRange:
         req = self._held.get(request_id)
         if req is None:
             raise KVImportError(f"request {request_id!r} holds no exportable KV")
-        n = req.num_prefill_tokens
+        n = req.num_computed_tokens  # the prefill, and for a detached request its output
         return KVRange(self.kv.block_table(request_id)[:_blocks(n, self.block_size)],
                        req.block_hashes[:n // self.block_size], 0, n)
 

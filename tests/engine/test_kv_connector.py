@@ -127,3 +127,52 @@ def test_failed_import_without_recompute_drops_the_request(make_llm) -> None:
     assert b.engine.request_state("x") is None and b.engine.request_ids() == []
     assert b.engine.load().kv_blocks_used == 0 and not b.engine.has_unfinished
     b.engine.fail_kv("x", recompute=False)  # no longer waiting: a no-op
+
+
+def migrate(a, b, rid: str, prompt: list[int], params: SamplingParams, after: int,
+            others: int = 0) -> list[int]:
+    """Decode on A (next to `others` bystanders) for `after` tokens, detach the request and
+    move its KV to B (prompt and output so far), decode the rest on B."""
+    a.engine.add_request(rid, prompt, params)
+    for i in range(others):
+        a.engine.add_request(f"bystander-{i}", list(range(50 + i, 70 + i)),
+                             SamplingParams(max_tokens=64, ignore_eos=True))
+    tokens: list[int] = []
+    while len(tokens) < after:
+        for o in a.engine.step():
+            if o.request_id == rid:
+                tokens = list(o.token_ids)
+    last = a.engine.detach(rid)
+    assert last == tokens[-1] and rid in a.engine.request_ids()
+    b.engine.add_request(rid, prompt, params, await_kv=True, resume_token_ids=tokens[:-1])
+    res = copy_kv(a.engine, b.engine, rid, last)
+    assert list(res.token_ids) == tokens
+    while b.engine.has_unfinished:
+        for o in b.engine.step():
+            tokens = list(o.token_ids)
+    for i in range(others):
+        a.engine.abort(f"bystander-{i}")
+    return tokens
+
+
+@pytest.mark.parametrize("after", [1, 7, 16, 30])
+def test_detached_request_continues_identically_elsewhere(make_llm, after: int) -> None:
+    """Live migration at the engine: the KV of the prompt and of every computed output
+    token moves; greedy and seeded sampling go on as if nothing happened."""
+    a, b, ref = make_llm(), make_llm(), make_llm()
+    prompt = list(range(4000, 4021))
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)):
+        expected = ref.generate(prompt, params)[0].token_ids
+        assert migrate(a, b, f"m{after}", prompt, params, after, others=2) == expected
+        assert a.engine.load().kv_blocks_used == 0 and b.engine.load().kv_blocks_used == 0
+
+
+def test_only_a_decoding_request_detaches(make_llm) -> None:
+    a = make_llm()
+    a.engine.add_request("w", list(range(100, 120)), SamplingParams(max_tokens=5))
+    with pytest.raises(KVImportError, match="not decoding"):
+        a.engine.detach("w")  # waiting: nothing computed yet
+    with pytest.raises(KVImportError):
+        a.engine.detach("unknown")
+    a.engine.abort("w")
