@@ -201,11 +201,11 @@ class ServerProcess:
         with urllib.request.urlopen(self._request(path), timeout=10) as r:
             return str(r.read().decode())
 
-    def post_json(self, path: str, body: Any) -> Any:
+    def post_json(self, path: str, body: Any, timeout_s: float = 10.0) -> Any:
         import json
         import urllib.request
 
-        with urllib.request.urlopen(self._request(path, body), timeout=10) as r:
+        with urllib.request.urlopen(self._request(path, body), timeout=timeout_s) as r:
             return json.loads(r.read())
 
     def workers(self) -> list[dict[str, Any]]:

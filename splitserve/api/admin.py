@@ -8,6 +8,10 @@ without it, 403 on a server started without one):
                          concurrent calls share one round of checks
     POST /admin/faults   arm a fault on a worker (cluster/worker/faults.py); 403 unless the
                          server also runs with --enable-fault-injection
+    POST /admin/workers  {"role": "decode"}: one more worker in that pool
+    POST /admin/drain    {"worker": "decode-1", "timeout_s": 60}: its decoding requests move
+                         to other decode workers with their KV (live migration), then it
+                         stops for good; answers how many moved
 
 Like the rest of the server, they bind to 127.0.0.1 unless told otherwise.
 """
@@ -17,7 +21,9 @@ from collections import Counter
 from collections.abc import Mapping
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.api.backend import Backend
 
@@ -33,6 +39,19 @@ class FaultRequest(BaseModel):
     probability: float = 1.0
     seed: int = 0
     seconds: float = 0.0
+
+
+class AddWorkerRequest(BaseModel):
+    """Grow a pool by one worker."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode", "both"]
+
+
+class DrainRequest(BaseModel):
+    """Move a worker's decoding requests away with their KV, then stop it."""
+    model_config = ConfigDict(extra="forbid")
+    worker: str = Field(max_length=64)
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
 def health_summary(detail: Mapping[str, object]) -> dict[str, object]:
@@ -69,6 +88,20 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
     async def health() -> dict[str, object]:
         return backend.health()
 
+    async def add_worker(body: AddWorkerRequest) -> dict[str, object]:
+        try:
+            return {"worker": await backend.add_worker(body.role)}
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+
+    async def drain_worker(body: DrainRequest) -> dict[str, object]:
+        try:
+            return await backend.drain_worker(body.worker, body.timeout_s)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+
     app.add_api_route("/admin/health", health, methods=["GET"])
+    app.add_api_route("/admin/workers", add_worker, methods=["POST"])
+    app.add_api_route("/admin/drain", drain_worker, methods=["POST"])
     app.add_api_route("/admin/faults", inject_fault, methods=["POST"])
     app.add_api_route("/admin/pools", check_pools, methods=["GET"])

@@ -54,3 +54,13 @@ class Backend(Protocol):
     async def check_pools(self) -> dict[str, dict[str, object]]:
         """Per live worker: its pool's invariant check and what it holds."""
         ...
+
+    async def add_worker(self, role: str) -> str:
+        """Starts one more worker of `role` (prefill | decode | both); its id. ValueError
+        for a role the cluster has no pool of."""
+        ...
+
+    async def drain_worker(self, worker_id: str, timeout_s: float) -> dict[str, object]:
+        """Moves a worker's decoding requests to other workers with their KV, then stops
+        it; how many moved. KeyError for an unknown worker."""
+        ...

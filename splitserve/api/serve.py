@@ -21,6 +21,7 @@ from splitserve.api.request_id import log_config
 from splitserve.api.server import build_app
 from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.launcher import Cluster
+from splitserve.cluster.protocol import Role
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.config import ServeConfig
 from splitserve.model.loader import open_checkpoint
@@ -32,8 +33,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ClusterBackend:
     """The HTTP layer's Backend, served by the dispatcher."""
 
-    def __init__(self, dispatcher: Dispatcher, model_info: ModelInfo) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, cluster: Cluster, model_info: ModelInfo) -> None:
+        assert cluster.dispatcher is not None, "a started cluster"
+        self.cluster, self.dispatcher = cluster, cluster.dispatcher
         self.model_info = model_info
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -52,6 +54,12 @@ class ClusterBackend:
 
     def metrics_text(self) -> bytes:
         return self.dispatcher.metrics_text()
+
+    async def add_worker(self, role: str) -> str:
+        return self.cluster.add_worker(Role(role))
+
+    async def drain_worker(self, worker_id: str, timeout_s: float) -> dict[str, object]:
+        return await self.cluster.drain_worker(worker_id, timeout_s)
 
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> dict[str, object]:
         return self.dispatcher.admin.inject_fault(worker_id, spec).to_dict()
@@ -92,7 +100,7 @@ async def serve(config: ServeConfig) -> None:
     dispatcher = await cluster.start()
     try:
         info = model_info(config, dispatcher.max_model_len)
-        app = build_app(ClusterBackend(dispatcher, info), config.http)
+        app = build_app(ClusterBackend(cluster, info), config.http)
         server = _Server(uvicorn_config(
             app, config.http, host=config.host, port=config.port,
             log_config=log_config(config.log_level.upper()),

@@ -70,8 +70,8 @@ class Cluster:
         self.dispatcher: Dispatcher | None = None
         self.adopted: list[str] = []  # worker ids taken over from a previous frontend
         self._watch: asyncio.Task[None] | None = None
-        self._failures: dict[int, int] = {}  # handle index -> restarts in a row
-        self._started: dict[int, float] = {}  # handle index -> when its restart started
+        self._failures: dict[str, int] = {}  # worker id -> restarts in a row
+        self._started: dict[str, float] = {}  # worker id -> when its restart started
 
     async def start(self) -> Dispatcher:
         cfg = self.config
@@ -141,41 +141,79 @@ class Cluster:
         before it ever registered is not restarted: it would fail the same way again."""
         dispatcher = self.dispatcher
         assert dispatcher is not None
-        restart_at: dict[int, float] = {}  # handle index -> when its restart is due
+        restart_at: dict[str, float] = {}  # worker id -> when its restart is due
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
-            for i, handle in enumerate(self.handles):
+            for handle in list(self.handles):
                 spec = handle.spec
-                if i in restart_at:
-                    if now >= restart_at[i]:
-                        del restart_at[i]
-                        self._restart(i)
+                wid = spec.worker_id
+                if wid in restart_at:
+                    if now >= restart_at[wid]:
+                        del restart_at[wid]
+                        self._restart(wid)
                     continue
                 if self.runtime.is_alive(handle):
-                    if now - self._started.get(i, 0.0) > STABLE_AFTER_S:
-                        self._failures.pop(i, None)
+                    if now - self._started.get(wid, 0.0) > STABLE_AFTER_S:
+                        self._failures.pop(wid, None)
                     continue
                 dispatcher.mark_dead(spec.identity, "exited")
                 dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
                     continue
                 self.runtime.stop_worker(handle)  # reaps the exited process or actor
-                n = self._failures.get(i, 0)
-                self._failures[i] = n + 1
+                n = self._failures.get(wid, 0)
+                self._failures[wid] = n + 1
                 delay = restart_delay(self.config.ray.restart_backoff_s, n)
-                restart_at[i] = now + delay
-                logger.warning("%s exited; restarting it in %.1f s", spec.worker_id, delay)
+                restart_at[wid] = now + delay
+                logger.warning("%s exited; restarting it in %.1f s", wid, delay)
 
-    def _restart(self, i: int) -> None:
+    def _restart(self, worker_id: str) -> None:
         assert self.dispatcher is not None
+        i = next((i for i, h in enumerate(self.handles) if h.spec.worker_id == worker_id), None)
+        if i is None:  # drained meanwhile
+            return
         spec = self.handles[i].spec
         new = replace(spec, epoch=spec.epoch + 1)
         self.handles[i] = self.runtime.start_worker(new, self.dispatcher.link.enroll(
             new.identity))
-        self._started[i] = time.monotonic()
-        self.dispatcher.metrics.worker_restarts.labels(spec.worker_id).inc()
-        logger.warning("restarted %s as epoch %d", spec.worker_id, new.epoch)
+        self._started[worker_id] = time.monotonic()
+        self.dispatcher.metrics.worker_restarts.labels(worker_id).inc()
+        logger.warning("restarted %s as epoch %d", worker_id, new.epoch)
+
+    # -- resizing pools (the planner's actuator; POST /admin/workers, /admin/drain) ----------
+    def add_worker(self, role: Role) -> str:
+        """Starts one more worker of `role` (the next free index, the engine and placement
+        of that pool's first worker); it serves once registered. Its id."""
+        assert self.dispatcher is not None
+        template = next((h.spec for h in self.handles if h.spec.role is role), None)
+        if template is None:
+            raise ValueError(f"no {role.value} pool to grow in this cluster")
+        index = 1 + max(h.spec.index for h in self.handles if h.spec.role is role)
+        spec = replace(template, index=index, epoch=1)
+        self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(
+            spec.identity)))
+        logger.info("added %s", spec.worker_id)
+        return spec.worker_id
+
+    async def drain_worker(self, worker_id: str, timeout_s: float = 60.0) -> dict[str, object]:
+        """Takes a worker out of routing, moves its decoding requests to the other decode
+        workers with their KV (exact, nothing recomputed), then stops it for good (it is
+        not restarted). Requests that did not move within `timeout_s` (still prefilling,
+        or no other decode worker) resume elsewhere by replay. KeyError: unknown worker."""
+        assert self.dispatcher is not None
+        handle = next((h for h in self.handles if h.spec.worker_id == worker_id), None)
+        if handle is None:
+            raise KeyError(f"no worker {worker_id!r}; workers: "
+                           f"{sorted(h.spec.worker_id for h in self.handles)}")
+        report: dict[str, object] = {**await self.dispatcher.drain(worker_id, timeout_s)}
+        # What it holds now, by its own check (nothing, unless requests stayed).
+        report["pool"] = (await self.dispatcher.admin.check_pools()).get(worker_id)
+        self.handles.remove(handle)  # before it exits: the watch loop must not restart it
+        self.dispatcher.mark_dead(handle.spec.identity, "was drained")
+        await asyncio.to_thread(self.runtime.stop_worker, handle)
+        logger.info("drained %s: %s", worker_id, report)
+        return {"worker": worker_id, **report}
 
     async def stop(self) -> None:
         if self._watch is not None:

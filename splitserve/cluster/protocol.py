@@ -227,6 +227,16 @@ class CheckPool:
     round: int
 
 
+@dataclass(slots=True)
+class Migrate:
+    """Live migration, source side: stop decoding this request, hold its KV (prompt and
+    output so far) for a decode worker's plan (relayed as KVPlan, as for a prefill), and
+    answer Detached. The KV is released unsent after `kv_timeout_s` without a plan."""
+    request_id: str
+    namespace: str | None
+    kv_timeout_s: float
+
+
 # -- worker -> frontend ---------------------------------------------------------------------
 
 
@@ -348,10 +358,21 @@ class PoolReport:
     num_requests: int  # live requests + finished ones holding KV for a transfer
 
 
+@dataclass(slots=True)
+class Detached:
+    """The answer to Migrate: `ok`, the request stopped here after the tokens already
+    streamed and its KV is held (PrefillDone follows once it was sent or released); else
+    it goes on here (`error` says why: not decoding, finished, unknown)."""
+    request_id: str
+    ok: bool
+    error: str | None
+
+
+# New messages go last: a message's tag is its place in this union.
 Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdown
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
-           | PoolReport)
+           | PoolReport | Migrate | Detached)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

@@ -43,6 +43,8 @@ MESSAGES: list[P.Message] = [
     P.LoadReport(1, 2, 30, 0, 10, 100, [P.StepTiming(16, 0, 0.01), P.StepTiming(0, 2, 0.02)],
                  5, 50),
     P.TransferReport(TELEMETRY),
+    P.Migrate("r1", "ns", 30.0), P.Migrate("r1", None, 5.0),
+    P.Detached("r1", True, None), P.Detached("r1", False, "not decoding"),
 ]
 TAG = {type(m): msgpack.unpackb(P.encode(m))[0] for m in MESSAGES}
 

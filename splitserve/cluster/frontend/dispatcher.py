@@ -35,6 +35,7 @@ from splitserve.cluster.frontend.delivery import Redelivery
 from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
+from splitserve.cluster.frontend.migration import Migrations
 from splitserve.cluster.frontend.routing import Routing
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
@@ -71,6 +72,8 @@ class Dispatcher:
         self.routing = Routing(router, self.workers, self.link, self.metrics, max_queue_len)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
+        self.migrations = Migrations(self.flights, self.table, self.link, router, self.metrics,
+                                     deadlines, self._hold, self.fail_attempt)
         self.delivery = Redelivery(self.link, self.flights, self.fail_attempt, self.mark_dead)
         self.link.on_lost = self.delivery.on_lost  # lost sends fail or are resent
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,6 +178,7 @@ class Dispatcher:
         """Drops the current attempt everywhere: aborts it on workers still holding it."""
         aid = flight.attempt_id
         self.router.on_finished(aid)
+        self.migrations.forget(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))
         for identity in flight.workers:
@@ -291,6 +295,8 @@ class Dispatcher:
         elif isinstance(msg, P.LoadReport):
             self.workers.observe_load(worker, msg)
             self.routing.admit_queued()
+        elif isinstance(msg, (P.KVEventBatch, P.KVSnapshot)) and worker.draining:
+            pass  # out of routing: its cache is no one's prefix hit any more
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
                 self.link.send(identity, P.ResyncKV())
@@ -301,6 +307,8 @@ class Dispatcher:
                                           is KVFailurePolicy.RECOMPUTE)
         elif isinstance(msg, P.PoolReport):
             self.admin.on_pool_report(identity, msg)
+        elif isinstance(msg, P.Detached):
+            self.migrations.on_detached(worker, msg)
         else:  # counted by the link as refused
             raise ProtocolError(f"workers do not send {type(msg).__name__}")
 
@@ -386,6 +394,18 @@ class Dispatcher:
                       if msg.kind is FailureKind.KV_TRANSFER else "")
             error = WorkerFailed(f"{worker.worker_id}: {msg.kind.value}: {msg.message}{policy}")
         self.fail_attempt(flight, msg.kind, error)
+
+    async def drain(self, worker_id: str, timeout_s: float) -> dict[str, int]:
+        """Takes a worker out of routing and moves its decoding requests to the other
+        decode workers with their KV (migration.py); the caller then stops it (what did
+        not move in time resumes elsewhere by replay). KeyError for an unknown worker."""
+        worker = self.table.by_id.get(worker_id)
+        if worker is None:
+            raise KeyError(f"no worker {worker_id!r}; workers: {sorted(self.table.by_id)}")
+        worker.draining = True
+        self.router.remove_worker(worker_id)
+        self.workers.count()
+        return await self.migrations.drain(worker, self.workers.decoders, timeout_s)
 
     # -- what the HTTP layer asks besides requests ----------------------------------------------
     def is_ready(self) -> bool:

@@ -151,6 +151,10 @@ class Metrics:
                                     registry=r)
         self.fenced_messages = Counter("splitserve_fenced_messages", "Messages refused from "
                                        "removed or replaced worker incarnations", registry=r)
+        self.live_migrations = Counter("splitserve_live_migrations", "Decoding requests "
+                                       "asked to move to another worker with their KV, by "
+                                       "outcome (moved, refused, target_gone)", ["outcome"],
+                                       registry=r)
         self.worker_restarts = Counter("splitserve_worker_restarts", "Worker processes "
                                        "restarted after exiting", ["worker"], registry=r)
         self.faults_injected = Counter("splitserve_faults_injected", "Faults armed through "
@@ -210,11 +214,11 @@ class Metrics:
             for reason in ("evicted", "refused", "timed_out", "rejected", "forged"):
                 _advance(self.kv_listener_closed.labels(worker, reason), getattr(kv, reason))
 
-    def count_workers(self, workers: list[tuple[str, bool]]) -> None:
-        """(role, healthy) of every registered worker."""
+    def count_workers(self, workers: list[tuple[str, str]]) -> None:
+        """(role, state) of every registered worker: healthy, unhealthy or draining."""
         self.workers.clear()
-        for role, healthy in workers:
-            self.workers.labels(role, "healthy" if healthy else "unhealthy").inc()
+        for role, state in workers:
+            self.workers.labels(role, state).inc()
 
     def observe_steps(self, worker: str, steps: list[StepTiming]) -> None:
         for step in steps:

@@ -21,6 +21,7 @@ class WorkerInfo:
     ready: WorkerReady
     last_seen: float  # monotonic time of the last message
     healthy: bool = True
+    draining: bool = False  # out of routing, its requests moving elsewhere (Dispatcher.drain)
     # Requests this worker holds state for, so a death fails exactly those.
     request_ids: set[str] = field(default_factory=set)
 

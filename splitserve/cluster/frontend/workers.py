@@ -72,7 +72,7 @@ class Workers:
         self.router.add_worker(msg.worker_id, msg.role,
                                WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
-        self._count()
+        self.count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
                     msg.num_blocks)
         self._registered.set()
@@ -87,7 +87,7 @@ class Workers:
         logger.error("worker %s %s; removing it", worker.worker_id, why)
         worker.healthy = False
         self.router.remove_worker(worker.worker_id)
-        self._count()
+        self.count()
         return worker
 
     def heard_from(self, identity: bytes) -> WorkerInfo | None:
@@ -125,7 +125,7 @@ class Workers:
 
     def decoders(self) -> list[WorkerInfo]:
         """Healthy workers that can decode (decode and aggregated roles)."""
-        return [w for w in self.table.healthy() if w.role.can_decode]
+        return [w for w in self.table.healthy() if w.role.can_decode and not w.draining]
 
     def block_hashes(self, namespace: str | None, token_ids: list[int]) -> list[BlockHash]:
         """A prompt's block hashes as the workers compute them (DESIGN 4.1); none before
@@ -138,9 +138,11 @@ class Workers:
     def health(self) -> list[dict[str, object]]:
         return [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
                  "incarnation": w.identity.decode(errors="replace"), "pid": w.ready.pid,
-                 "requests": len(w.request_ids), "kv_address": w.ready.kv_address}
+                 "requests": len(w.request_ids), "kv_address": w.ready.kv_address,
+                 "draining": w.draining}
                 for w in self.table.workers.values()]
 
-    def _count(self) -> None:
-        self.metrics.count_workers([(w.role.value, w.healthy)
-                                    for w in self.table.workers.values()])
+    def count(self) -> None:
+        self.metrics.count_workers([
+            (w.role.value, "draining" if w.draining else "healthy" if w.healthy else "unhealthy")
+            for w in self.table.workers.values()])

@@ -6,7 +6,8 @@ The main thread is the engine thread. Each turn of its loop: take every pending 
 (waiting only when there is nothing to compute), run one engine step, move KV (sender
 and receiver polls), send outputs, KV events and, periodically, a load report that is
 also the heartbeat. Roles: `prefill` prefills and streams KV out, `decode` imports KV and
-decodes, `both` (aggregated) does everything locally; every role can prefill locally.
+decodes, `both` (aggregated) does everything locally; every role can prefill locally,
+and every role can hand a decoding request over with its KV (Migrate: live migration).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from splitserve.cluster.worker.stream import OutputStream
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput
-from splitserve.errors import InvalidRequestError, SplitserveError, StepFailed
+from splitserve.errors import InvalidRequestError, KVImportError, SplitserveError, StepFailed
 from splitserve.transfer.faulty import WireFault, WireFaultKind
 from splitserve.transfer.handle import TransferHandle
 from splitserve.transfer.receiver import KVReceiver
@@ -47,8 +48,10 @@ class Worker:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
-        self.sender = KVSender(self.engine) if spec.role is not Role.DECODE else None
-        self.handoffs = Handoffs(self.engine, self.sender) if self.sender else None
+        # Every role sends KV: prefill workers their prefills, decode workers the running
+        # sequences they hand over (live migration, Migrate).
+        self.sender = KVSender(self.engine)
+        self.handoffs = Handoffs(self.engine, self.sender)
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen(
             f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
             if spec.role.can_decode else None)
@@ -158,7 +161,7 @@ class Worker:
     def _wait_s(self) -> float:
         if self.engine.has_unfinished:
             return 0.0
-        busy = self.reserving or self.handoffs or (self.sender and self.sender.num_active) or (
+        busy = self.reserving or self.handoffs or self.sender.num_active or (
             self.receiver and self.receiver.num_active)
         return BUSY_WAIT_S if busy else IDLE_WAIT_S
 
@@ -192,6 +195,8 @@ class Worker:
             self._prefill(msg)
         elif isinstance(msg, P.KVPlan):
             self._kv_plan(msg)
+        elif isinstance(msg, P.Migrate):
+            self._migrate(msg)
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, P.ResyncKV):
@@ -235,7 +240,7 @@ class Worker:
             self._fail(rid, FailureKind.WORKER_ERROR, f"fault injection: {self.spec.worker_id} "
                        "failed the request")
             return True
-        elif fault.kind.endswith("_kv") and rid is not None and self.sender is not None:
+        elif fault.kind.endswith("_kv") and rid is not None:
             self.sender.arm_fault(rid, WireFault(WireFaultKind(fault.kind), fault.seconds))
         return False
 
@@ -255,8 +260,9 @@ class Worker:
 
     def _prefill(self, msg: P.Prefill) -> None:
         rid, params, resumed = msg.request_id, msg.params, msg.resume_token_ids
-        if self.handoffs is None:
-            self._fail(rid, FailureKind.INVALID_REQUEST, f"{self.spec.worker_id} cannot send KV")
+        if self.spec.role is Role.DECODE:
+            self._fail(rid, FailureKind.INVALID_REQUEST, f"{self.spec.worker_id} does not "
+                       "prefill for others")
             return
         if self._inject(self.faults.fire("prefill"), rid):
             return
@@ -273,8 +279,21 @@ class Worker:
             self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
             self._inject(self.faults.fire("transfer"), rid)
 
+    def _migrate(self, msg: P.Migrate) -> None:
+        """Stops decoding the request and holds its KV for the plan of the worker it moves
+        to; everything it streamed so far was sent before Detached (one socket, in order)."""
+        rid = msg.request_id
+        try:
+            last = self.engine.detach(rid)
+        except KVImportError as exc:
+            self._send(P.Detached(rid, False, str(exc)))
+            return
+        self.streams.pop(rid, None)
+        self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
+        self.handoffs.on_prefilled(rid, last)
+        self._send(P.Detached(rid, True, None))
+
     def _kv_plan(self, msg: P.KVPlan) -> None:
-        assert self.handoffs is not None
         rid = msg.request_id
         try:
             self.handoffs.on_plan(rid, msg.plan)
@@ -312,12 +331,10 @@ class Worker:
 
     def _abort(self, rid: str) -> None:
         self.reserving.pop(rid, None)
-        if self.handoffs is not None:
-            self.handoffs.drop(rid)
+        self.handoffs.drop(rid)
         if self.receiver is not None:
             self.receiver.cancel(rid)
-        if self.sender is not None:
-            self.sender.cancel(rid)
+        self.sender.cancel(rid)
         self.engine.abort(rid)
         self.engine.release_kv(rid)
         self.streams.pop(rid, None)
@@ -334,13 +351,12 @@ class Worker:
     def _move_kv(self, outputs: list[RequestOutput]) -> None:
         if self.reserving:
             self._reserve()
-        if self.sender is not None and self.handoffs is not None:
-            for handle in self.sender.poll(outputs):
-                self._report_transfer(handle)
-                self._send(P.PrefillDone(handle.request_id, self.handoffs.finished(handle)))
-            for rid in self.handoffs.expire(time.monotonic()):
-                self.streams.pop(rid, None)
-                self._send(P.PrefillDone(rid, handed_off=False))
+        for handle in self.sender.poll(outputs):
+            self._report_transfer(handle)
+            self._send(P.PrefillDone(handle.request_id, self.handoffs.finished(handle)))
+        for rid in self.handoffs.expire(time.monotonic()):
+            self.streams.pop(rid, None)
+            self._send(P.PrefillDone(rid, handed_off=False))
         if self.receiver is not None:
             for handle in self.receiver.poll():
                 self._report_transfer(handle)
@@ -375,10 +391,8 @@ class Worker:
         if not send:
             return
         if stream.hands_off(out):
-            assert self.handoffs is not None
             self.handoffs.on_prefilled(rid, out.token_ids[-1])  # the KV is held for D
         elif stream.first_token_only and out.finished:  # a stop at token 1: no handoff
-            assert self.handoffs is not None
             if self.handoffs.end_early(rid):
                 self.engine.release_kv(rid)
         self._send(stream.next_output(out))
@@ -431,8 +445,7 @@ class Worker:
 
     def close(self) -> None:
         self._abort_all()
-        if self.sender is not None:
-            self.sender.close()
+        self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
         self.engine.check_invariants()
