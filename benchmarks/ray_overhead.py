@@ -42,7 +42,8 @@ from benchmarks.common import (DEFAULT_OUTPUT, _split_sections, busy_processes, 
                                process_cpu_seconds, write_section)
 from benchmarks.goodput_study import WORKLOADS  # noqa: E402
 from benchmarks.serving import OUTPUT_TOKENS, PROMPT_TOKENS, Served, Timing  # noqa: E402
-from splitserve.bench import SLO, LengthDist, RequestRecord, compute_metrics, run_bench  # noqa: E402
+from splitserve.bench import (SLO, LengthDist, RequestRecord, compute_metrics,  # noqa: E402
+                              run_bench)
 
 SECTION = "Ray runtime overhead"
 READING = "### Reading (hand-written)"
@@ -276,7 +277,8 @@ def main() -> int:
         "one warm-up round; Ray - local = medians of the per-round differences and ratios.",
         "", markdown_table(["setup", "TTFT ms", "TPOT ms", "Ray - local TTFT",
                             "Ray - local TPOT"], rows), "",
-        f"**Under load**: goodput study workload {w.title}{' (lengths / 4: --quick)' if args.quick else ''}, "
+        f"**Under load**: goodput study workload {w.title}"
+        f"{' (lengths / 4: --quick)' if args.quick else ''}, "
         f"Poisson at {rate:g} req/s (disagg's knee in the study), {rounds} x {n} requests per "
         f"runtime (the same requests and arrival times on both), SLO TTFT <= "
         f"{slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms (the study's).", "",
