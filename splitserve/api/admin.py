@@ -12,6 +12,8 @@ without it, 403 on a server started without one):
     POST /admin/drain    {"worker": "decode-1", "timeout_s": 60}: its decoding requests move
                          to other decode workers with their KV (live migration), then it
                          stops for good; answers how many moved
+    POST /admin/switch   {"worker": "prefill-0", "role": "decode"}: drained, then the same
+                         process serves in the other pool under a new id
 
 Like the rest of the server, they bind to 127.0.0.1 unless told otherwise.
 """
@@ -51,6 +53,14 @@ class DrainRequest(BaseModel):
     """Move a worker's decoding requests away with their KV, then stop it."""
     model_config = ConfigDict(extra="forbid")
     worker: str = Field(max_length=64)
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+
+
+class SwitchRoleRequest(BaseModel):
+    """Drain a worker, then it serves in the other pool (same process, weights kept)."""
+    model_config = ConfigDict(extra="forbid")
+    worker: str = Field(max_length=64)
+    role: Literal["prefill", "decode"]
     timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
@@ -100,7 +110,16 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
         except KeyError as exc:
             raise HTTPException(404, str(exc.args[0])) from None
 
+    async def switch_role(body: SwitchRoleRequest) -> dict[str, object]:
+        try:
+            return await backend.switch_role(body.worker, body.role, body.timeout_s)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+
     app.add_api_route("/admin/health", health, methods=["GET"])
+    app.add_api_route("/admin/switch", switch_role, methods=["POST"])
     app.add_api_route("/admin/workers", add_worker, methods=["POST"])
     app.add_api_route("/admin/drain", drain_worker, methods=["POST"])
     app.add_api_route("/admin/faults", inject_fault, methods=["POST"])

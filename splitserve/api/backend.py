@@ -64,3 +64,8 @@ class Backend(Protocol):
         """Moves a worker's decoding requests to other workers with their KV, then stops
         it; how many moved. KeyError for an unknown worker."""
         ...
+
+    async def switch_role(self, worker_id: str, role: str, timeout_s: float) -> dict[str, object]:
+        """Drains a worker, then it serves in the other pool under a new id, same process.
+        KeyError for an unknown worker, ValueError for a role it cannot take."""
+        ...

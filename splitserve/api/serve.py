@@ -61,6 +61,9 @@ class ClusterBackend:
     async def drain_worker(self, worker_id: str, timeout_s: float) -> dict[str, object]:
         return await self.cluster.drain_worker(worker_id, timeout_s)
 
+    async def switch_role(self, worker_id: str, role: str, timeout_s: float) -> dict[str, object]:
+        return await self.cluster.switch_role(worker_id, Role(role), timeout_s)
+
     def inject_fault(self, worker_id: str, spec: dict[str, object]) -> dict[str, object]:
         return self.dispatcher.admin.inject_fault(worker_id, spec).to_dict()
 

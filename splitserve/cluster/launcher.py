@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
+from splitserve.cluster import protocol as P
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime, split_cores
@@ -195,6 +196,34 @@ class Cluster:
             spec.identity)))
         logger.info("added %s", spec.worker_id)
         return spec.worker_id
+
+    async def switch_role(self, worker_id: str, role: Role,
+                          timeout_s: float = 60.0) -> dict[str, object]:
+        """Turns a worker into one of another pool without reloading its weights: drain it
+        (its decoding requests move away with their KV), then it re-registers under a new
+        identity (the new pool's next index, a new incarnation, a new key sent inside
+        the control channel) with its engine and cache. Same process; KeyError: unknown
+        worker; ValueError: a role it cannot switch to."""
+        assert self.dispatcher is not None
+        i = next((i for i, h in enumerate(self.handles) if h.spec.worker_id == worker_id), None)
+        if i is None:
+            raise KeyError(f"no worker {worker_id!r}")
+        old = self.handles[i].spec
+        if role is old.role or Role.BOTH in (role, old.role):
+            raise ValueError(f"{worker_id} can switch between prefill and decode only")
+        index = 1 + max((h.spec.index for h in self.handles if h.spec.role is role), default=-1)
+        new = replace(old, role=role, index=index, epoch=old.epoch + 1)
+        report: dict[str, object] = {**await self.dispatcher.drain(worker_id, timeout_s)}
+        self.handles[i] = self.runtime.rename(self.handles[i], new)
+        secret = self.dispatcher.link.enroll(new.identity)
+        self.dispatcher.link.send(old.identity, P.SwitchRole(role, index, new.epoch,
+                                                             secret.to_bytes()))
+        self.dispatcher.workers.mute(old.identity)  # late reports: no Shutdown to it
+        self.dispatcher.mark_dead(old.identity, f"is becoming {new.worker_id}")
+        await self.dispatcher.wait_for_worker(new.identity, self.config.deadlines
+                                              .worker_start_timeout_s)
+        logger.info("%s is now %s (same process)", worker_id, new.worker_id)
+        return {"worker": new.worker_id, "was": worker_id, **report}
 
     async def drain_worker(self, worker_id: str, timeout_s: float = 60.0) -> dict[str, object]:
         """Takes a worker out of routing, moves its decoding requests to the other decode

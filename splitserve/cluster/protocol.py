@@ -368,11 +368,23 @@ class Detached:
     error: str | None
 
 
+@dataclass(slots=True)
+class SwitchRole:
+    """Become another worker without reloading the weights: role, index and incarnation
+    of the new identity, and its control-plane key (the secret travels only inside this
+    authenticated, encrypted channel). The worker holds no request when it is sent (the
+    frontend drained it); it reconnects under the new identity and registers again."""
+    role: Role
+    index: int
+    epoch: int
+    secret: bytes  # auth.WorkerSecret.to_bytes()
+
+
 # New messages go last: a message's tag is its place in this union.
 Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdown
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
-           | PoolReport | Migrate | Detached)
+           | PoolReport | Migrate | Detached | SwitchRole)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

@@ -45,6 +45,7 @@ MESSAGES: list[P.Message] = [
     P.TransferReport(TELEMETRY),
     P.Migrate("r1", "ns", 30.0), P.Migrate("r1", None, 5.0),
     P.Detached("r1", True, None), P.Detached("r1", False, "not decoding"),
+    P.SwitchRole(P.Role.DECODE, 2, 3, b"key"),
 ]
 TAG = {type(m): msgpack.unpackb(P.encode(m))[0] for m in MESSAGES}
 

@@ -91,6 +91,14 @@ class Dispatcher:
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         await self.workers.wait_for(num_workers, timeout_s)
 
+    async def wait_for_worker(self, identity: bytes, timeout_s: float) -> None:
+        """Returns once `identity` registered; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while identity not in self.table.workers:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{identity!r} did not register within {timeout_s:g} s")
+            await asyncio.sleep(0.02)
+
     async def close(self) -> None:
         for identity in list(self.table.workers):
             self.link.send(identity, P.Shutdown())

@@ -127,8 +127,9 @@ class Migrations:
         deadline = time.monotonic() + timeout_s
         while (holding := self._holding(worker)) and time.monotonic() < deadline:
             for flight in holding:
-                if self.is_moving(flight):
-                    continue
+                source = self.decode_worker(flight)
+                if self.is_moving(flight) or source is None or source.identity != worker.identity:
+                    continue  # not decoding here (yet): it finishes or moves later
                 choices = [t for t in targets() if t.identity != worker.identity]
                 if choices and self.start(flight, min(choices, key=lambda t: len(t.request_ids))):
                     moved.add(flight.request.request_id)

@@ -100,6 +100,11 @@ class Workers:
         worker.last_seen = time.monotonic()
         return worker
 
+    def mute(self, identity: bytes) -> None:
+        """Messages from this removed identity are refused without telling it to exit:
+        its process lives on under another identity (a role switch)."""
+        self._fenced.add(identity)
+
     def fence(self, identity: bytes) -> None:
         self.metrics.fenced_messages.inc()
         if identity not in self._fenced and identity in self.table.seen:

@@ -54,6 +54,11 @@ class Runtime(ABC):
         for handle in handles:
             self.stop_worker(handle, timeout_s)
 
+    def rename(self, handle: WorkerHandle, spec: WorkerSpec) -> WorkerHandle:
+        """The same running worker under a new spec (a role switch: new role, index and
+        incarnation, same process)."""
+        return WorkerHandle(spec, handle.pid)
+
     # -- workers that outlive the frontend (none on a runtime whose workers die with it) -----
     def find_workers(self) -> list[WorkerSpec]:
         """Live workers a previous frontend of this cluster left behind."""

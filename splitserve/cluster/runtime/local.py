@@ -36,6 +36,10 @@ class LocalRuntime(Runtime):
         logger.info("started %s (pid %d, cores %s)", spec.worker_id, proc.pid, spec.cpu_cores)
         return WorkerHandle(spec, proc.pid)
 
+    def rename(self, handle: WorkerHandle, spec: WorkerSpec) -> WorkerHandle:
+        self._procs[spec.identity] = self._procs.pop(handle.spec.identity)
+        return WorkerHandle(spec, handle.pid)
+
     def stop_worker(self, handle: WorkerHandle, timeout_s: float = 10.0) -> None:
         proc = self._procs.pop(handle.spec.identity, None)
         if proc is None or proc.poll() is not None:

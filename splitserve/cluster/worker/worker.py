@@ -127,10 +127,31 @@ class Worker:
         logger.warning("adopted by the frontend at %s; ending %d requests of the previous one",
                        address, len(self._request_ids()))
         self._abort_all()
-        self.control.close(linger_ms=0)  # what was queued for the old frontend is dropped
-        self.spec = replace(self.spec, frontend_address=address)
-        self.control = FrontendSocket(address, self.spec.identity, secret,
-                                      self.spec.send_timeout_s)
+        self._rejoin(replace(self.spec, frontend_address=address), secret)
+
+    def _switch_role(self, msg: P.SwitchRole) -> None:
+        """Becomes `msg.role` under a new identity; the engine (weights, cache) stays."""
+        if self._request_ids():
+            logger.error("SwitchRole while holding %d requests; ending them",
+                         len(self._request_ids()))
+            self._abort_all()
+        spec = replace(self.spec, role=msg.role, index=msg.index, epoch=msg.epoch)
+        if spec.role.can_decode and self.receiver is None:
+            self.receiver = KVReceiver(self.engine, get_transport(spec.kv_transport).listen(
+                f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
+        elif not spec.role.can_decode and self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        logger.warning("switching from %s to %s", self.spec.worker_id, spec.worker_id)
+        self._rejoin(spec, WorkerSecret.from_bytes(msg.secret))
+
+    def _rejoin(self, spec: WorkerSpec, secret: WorkerSecret) -> None:
+        """Connects anew (another frontend, or another identity) and registers again, with
+        a snapshot of the cached prefixes so the router's index starts warm."""
+        self.control.close(linger_ms=0)  # whatever was queued for the old link is dropped
+        self.spec = spec
+        self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
+                                      spec.send_timeout_s)
         self.frontend_gone = False
         self.engine.take_kv_events()  # the snapshot below says it all
         self._register()
@@ -173,6 +194,8 @@ class Worker:
                 self._handle(msg)
             except Exception:  # _handle fails the request itself: this is the last guard
                 logger.exception("handling %s failed", type(msg).__name__)
+            if isinstance(msg, P.SwitchRole):
+                return  # the rest came over the old identity's link
 
     def _handle(self, msg: P.Message) -> None:
         """Acts on one message. Whatever a message about one request raises fails that
@@ -203,6 +226,8 @@ class Worker:
             self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
         elif isinstance(msg, P.EvictBlocks):
             self.engine.evict_cached_blocks(msg.block_hashes)
+        elif isinstance(msg, P.SwitchRole):
+            self._switch_role(msg)
         elif isinstance(msg, P.Shutdown):
             self.stopping = True
         elif isinstance(msg, P.InjectFault):
