@@ -97,6 +97,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")
     p.add_argument("--max-queue-len", type=int, help="admission queue bound (then 429)")
+    p.add_argument("--admission", choices=["queue", "reject"],
+                   help="queue: a request without room waits (default); reject: one whose "
+                   "predicted TTFT passes --slo-ttft-ms gets 429 at once (early rejection)")
     p.add_argument("--tenant-max-cached-blocks", type=int, help="per-tenant cache cap")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (SLO attainment metric)")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (local prefills must respect it; SLO metric)")

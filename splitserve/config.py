@@ -186,6 +186,9 @@ class ServeConfig:
     restart_workers: bool = True  # a worker process that exits is started again (new epoch)
     enable_fault_injection: bool = False  # POST /admin/faults (tests, chaos, soak)
     max_queue_len: int = 256  # admission queue; beyond it 429
+    # "queue": a request without room waits (up to the queue timeout); "reject": one whose
+    # predicted TTFT passes --slo-ttft-ms gets 429 + Retry-After at once (early rejection).
+    admission: str = "queue"
     tenant_max_cached_blocks: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -219,6 +222,10 @@ class ServeConfig:
             raise ValueError("need at least one decode worker (and prefill >= 0)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
+        if self.admission not in ("queue", "reject"):
+            raise ValueError(f"admission={self.admission!r} must be 'queue' or 'reject'")
+        if self.admission == "reject" and not self.slo_ttft_ms:
+            raise ValueError("--admission reject needs --slo-ttft-ms (the target it predicts)")
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"runtime={self.runtime!r} must be 'local' or 'ray'")
         if self.runtime == "ray" and self.kv_transport != "tcp":

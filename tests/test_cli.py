@@ -129,3 +129,7 @@ def test_serve_config_ray_runtime_flags_and_yaml(tmp_path: object) -> None:
     path.write_text("ray:\n  placement: pack\n")
     with pytest.raises(ValueError, match="unknown ray options"):
         serve_config(parser.parse_args(["--config", str(path)]))
+    with pytest.raises(ValueError, match="slo-ttft-ms"):
+        serve_config(parser.parse_args(["--admission", "reject"]))
+    assert serve_config(parser.parse_args(["--admission", "reject", "--slo-ttft-ms", "900"])
+                        ).admission == "reject"

@@ -87,7 +87,7 @@ class Cluster:
             fault_injection=cfg.enable_fault_injection,
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
-            control_host=self.runtime.control_host)
+            control_host=self.runtime.control_host, reject_early=cfg.admission == "reject")
         dispatcher.start()
         specs = [self.runtime.worker_spec(s) for s in worker_specs(cfg, dispatcher.address)]
         try:

@@ -267,3 +267,31 @@ def test_admission_queue_is_fifo_bounded_and_times_out() -> None:
         assert timeout.value.stage == "queue"
         tasks["r2"].cancel()
     run(scenario, DeadlineConfig(queue_timeout_s=1.0), max_queue_len=2)
+
+
+def test_early_rejection_refuses_a_request_predicted_to_miss_its_ttft() -> None:
+    """--admission reject: the router's predicted TTFT (its prefill prior: 1,500 tokens/s)
+    against the 0.5 s target; a refused request leaves no load booked. A request that
+    must queue while no finish rate is known is not predicted, so it queues."""
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        from splitserve.errors import AdmissionRejected
+        (w,) = [ScriptedWorker(ctx, d, "both", max_num_seqs=1)]
+        await w.register()
+        await d.wait_for_workers(1, 5)
+        long = GenerateRequest("long", list(range(1500)), SamplingParams(max_tokens=4))
+        with pytest.raises(AdmissionRejected, match="predicted time to first token") as err:
+            await collect(d.generate(long))
+        assert err.value.status_code == 429
+        assert not d.router._in_flight and not d.flights  # nothing booked, nothing kept
+        first = asyncio.create_task(collect(d.generate(request("r1"))))
+        assert (await w.expect(P.Generate)).request_id == "r1"  # short: predicted in time
+        second = asyncio.create_task(collect(d.generate(request("r2"))))
+        while d.health()["queued"] != 1:  # no room, no finish rate yet: it queues
+            await asyncio.sleep(0.01)
+        await w.send(output("r1", 0, [1], 0, "a", finished=True))
+        await first
+        assert (await w.expect(P.Generate)).request_id == "r2"
+        await w.send(output("r2", 0, [1], 0, "a", finished=True))
+        await second
+        assert d.metrics.admission_rejections.labels("early")._value.get() == 1
+    run(scenario, slo_ttft_s=0.5, reject_early=True)

@@ -58,7 +58,8 @@ class Dispatcher:
                  max_queue_len: int = 256, retry: RetryPolicy = RetryPolicy(),
                  fault_injection: bool = False,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                 metrics: Metrics | None = None, control_host: str = "127.0.0.1") -> None:
+                 metrics: Metrics | None = None, control_host: str = "127.0.0.1",
+                 reject_early: bool = False) -> None:
         self.router = router
         self.deadlines = deadlines
         self.retry = retry
@@ -69,7 +70,8 @@ class Dispatcher:
         self.workers = Workers(router, self.link, self.metrics)
         self.table = self.workers.table
         self.flights = FlightTable()
-        self.routing = Routing(router, self.workers, self.link, self.metrics, max_queue_len)
+        self.routing = Routing(router, self.workers, self.link, self.metrics, max_queue_len,
+                               slo_ttft_s if reject_early else None)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
         self.migrations = Migrations(self.flights, self.table, self.link, router, self.metrics,
@@ -185,7 +187,8 @@ class Dispatcher:
     def _release(self, flight: Flight) -> None:
         """Drops the current attempt everywhere: aborts it on workers still holding it."""
         aid = flight.attempt_id
-        self.router.on_finished(aid)
+        if flight.dispatched_at is not None:  # a refused or never placed one served nothing
+            self.router.on_finished(aid)
         self.migrations.forget(aid)
         for identity in flight.workers - flight.done_workers:
             self.link.send(identity, P.Abort(aid))

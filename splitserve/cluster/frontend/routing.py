@@ -29,9 +29,12 @@ from splitserve.errors import AdmissionRejected
 
 class Routing:
     def __init__(self, router: Router, workers: Workers, link: WorkerLink, metrics: Metrics,
-                 max_queue_len: int) -> None:
+                 max_queue_len: int, reject_over_s: float | None = None) -> None:
         self.router, self.workers, self.link, self.metrics = router, workers, link, metrics
         self.queue: AdmissionQueue[Flight] = AdmissionQueue(max_queue_len)
+        # Early rejection (--admission reject): a request whose predicted TTFT passes this
+        # gets 429 at once rather than a late answer. None: it queues.
+        self.reject_over_s = reject_over_s
 
     async def place(self, flight: Flight) -> RouteDecision:
         """The request's placement, once there is one (the reaper fails a queued request
@@ -42,8 +45,12 @@ class Routing:
             block_hashes=self.workers.block_hashes(req.namespace, req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids), tenant=req.tenant, disagg=req.disagg)
         # Strict FIFO: while others wait, a newcomer queues behind them.
-        decision = None if len(self.queue) else self.claim(flight)
-        if decision is None:
+        decision = None if len(self.queue) else self._decide(flight)
+        if self.reject_over_s is not None:
+            self._reject_early(decision)
+        if decision is not None:
+            self._commit(flight, decision)
+        else:
             if not self.queue.offer(flight):
                 self.metrics.admission_rejections.labels("429").inc()
                 raise AdmissionRejected(
@@ -56,14 +63,38 @@ class Routing:
                 self.queue.remove(flight)
         return decision
 
+    def _reject_early(self, decision: RouteDecision | None) -> None:
+        """AdmissionRejected (429) when the request would miss its TTFT target anyway
+        (Mooncake's early rejection): the router's prediction for where it was placed
+        (queue, prefill, transfer, first step), or, when it must queue, the wait for the
+        requests ahead at the rate requests finish (no recent rate: no prediction, no
+        rejection). Capacity that could arrive in time is not counted: no worker starts
+        on demand yet."""
+        assert self.reject_over_s is not None
+        predicted = (decision.predicted_s if decision is not None
+                     else self.router.queue_wait_s(len(self.queue)))
+        if predicted is None or predicted <= self.reject_over_s:
+            return
+        self.metrics.admission_rejections.labels("early").inc()
+        raise AdmissionRejected(
+            f"predicted time to first token {predicted:.1f} s exceeds the target "
+            f"{self.reject_over_s:g} s", retry_after_s=self.router.retry_after_s(len(self.queue)))
+
     def claim(self, flight: Flight) -> RouteDecision | None:
         """Routes the request and, when placed, books it on its workers at once."""
+        decision = self._decide(flight)
+        if decision is not None:
+            self._commit(flight, decision)
+        return decision
+
+    def _decide(self, flight: Flight) -> RouteDecision | None:
         assert flight.route_req is not None
         t0 = time.perf_counter()
         decision = self.router.route(flight.route_req)
         self.metrics.router_seconds.observe(time.perf_counter() - t0)
-        if decision is None:
-            return None
+        return decision
+
+    def _commit(self, flight: Flight, decision: RouteDecision) -> None:
         self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
         self._book(flight, decision)
         if flight.attempt == 0:
@@ -72,7 +103,6 @@ class Routing:
             worker = self.workers.table.by_id.get(worker_id)
             if worker is not None and hashes:
                 self.link.send(worker.identity, P.EvictBlocks(hashes))
-        return decision
 
     def admit_queued(self) -> None:
         if not len(self.queue):

@@ -312,6 +312,12 @@ class Router:
         return retry_after_s(num_queued, self._finished.rate(self._clock()),
                              c.min_retry_after_s, c.max_retry_after_s)
 
+    def queue_wait_s(self, num_queued: int) -> float | None:
+        """Predicted wait before a request behind `num_queued` others is placed: them and
+        it at the rate requests finished lately; None without a recent rate."""
+        rate = self._finished.rate(self._clock())
+        return None if not rate else (num_queued + 1) / rate
+
     @property
     def num_indexed_blocks(self) -> int:
         return self.index.num_blocks
