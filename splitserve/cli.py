@@ -97,6 +97,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")
     p.add_argument("--max-queue-len", type=int, help="admission queue bound (then 429)")
+    p.add_argument("--planner", choices=["off", "advisory", "on"],
+                   help="size the pools from the SLOs every interval: advisory reports, on "
+                   "also adds, drains and switches workers (default off)")
+    p.add_argument("--planner-interval-s", type=float, help="planner interval (10)")
+    p.add_argument("--planner-max-workers", type=int,
+                   help="the planner's budget of workers (default: one per core)")
+    p.add_argument("--planner-model-load-s", type=float,
+                   help="seconds from starting a worker to it serving (30)")
     p.add_argument("--admission", choices=["queue", "reject"],
                    help="queue: a request without room waits (default); reject: one whose "
                    "predicted TTFT passes --slo-ttft-ms gets 429 at once (early rejection)")

@@ -189,6 +189,13 @@ class ServeConfig:
     # "queue": a request without room waits (up to the queue timeout); "reject": one whose
     # predicted TTFT passes --slo-ttft-ms gets 429 + Retry-After at once (early rejection).
     admission: str = "queue"
+    # The planner (cluster/planner/): "off"; "advisory" decides every interval, logs and
+    # reports (/admin/health, /metrics) and acts on nothing; "on" also acts (adds, drains,
+    # switches workers). Needs both SLOs and --mode disagg.
+    planner: str = "off"
+    planner_interval_s: float = 10.0
+    planner_max_workers: int | None = None  # the budget; None: one worker per core
+    planner_model_load_s: float = 30.0  # start of a worker -> serving
     tenant_max_cached_blocks: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -226,6 +233,12 @@ class ServeConfig:
             raise ValueError(f"admission={self.admission!r} must be 'queue' or 'reject'")
         if self.admission == "reject" and not self.slo_ttft_ms:
             raise ValueError("--admission reject needs --slo-ttft-ms (the target it predicts)")
+        if self.planner not in ("off", "advisory", "on"):
+            raise ValueError(f"planner={self.planner!r} must be off|advisory|on")
+        if self.planner != "off" and not (self.slo_ttft_ms and self.slo_tpot_ms
+                                          and self.mode == "disagg"):
+            raise ValueError("--planner needs --slo-ttft-ms, --slo-tpot-ms and --mode disagg "
+                             "(it may still run the cluster with no prefill pool)")
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"runtime={self.runtime!r} must be 'local' or 'ray'")
         if self.runtime == "ray" and self.kv_transport != "tcp":

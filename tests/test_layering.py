@@ -70,7 +70,9 @@ CLUSTER_ALLOWED = {
     "worker": {"protocol", "auth"},
     "runtime": {"worker", "protocol", "auth"},
     "frontend": {"protocol", "router", "auth"},
-    "launcher": {"codec", "protocol", "auth", "router", "frontend", "worker", "runtime"},
+    "planner": {"protocol", "router"},  # pure sizing logic + its actuator (through Pools)
+    "launcher": {"codec", "protocol", "auth", "router", "frontend", "worker", "runtime",
+                 "planner"},
     "__init__": set(),
 }
 

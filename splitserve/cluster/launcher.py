@@ -15,7 +15,12 @@ from dataclasses import replace
 from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
+from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
+from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
+                                              WorkerSample)
+from splitserve.cluster.planner.planner import Planner
 from splitserve.cluster.protocol import Role
+from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel, Quadratic
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime, split_cores
 from splitserve.cluster.worker.spec import WorkerSpec
@@ -63,6 +68,11 @@ def restart_delay(base_s: float, failures: int) -> float:
     return min(MAX_RESTART_BACKOFF_S, base_s * 2 ** min(failures, 16))
 
 
+def _fitted(model: PrefillCostModel | DecodeStepModel) -> Quadratic | None:
+    """A worker's own fitted curve; None while it answers with the pooled one or a prior."""
+    return Quadratic(*model.coefficients) if model.is_fitted else None
+
+
 class Cluster:
     def __init__(self, config: ServeConfig, runtime: Runtime | None = None) -> None:
         self.config = config
@@ -70,6 +80,9 @@ class Cluster:
         self.handles: list[WorkerHandle] = []
         self.dispatcher: Dispatcher | None = None
         self.adopted: list[str] = []  # worker ids taken over from a previous frontend
+        self.actuator: Actuator | None = None
+        self.last_decision: dict[str, object] | None = None  # the planner's, for /admin/health
+        self._plan: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._failures: dict[str, int] = {}  # worker id -> restarts in a row
         self._started: dict[str, float] = {}  # worker id -> when its restart started
@@ -99,7 +112,72 @@ class Cluster:
             await self.stop()
             raise
         self._watch = asyncio.create_task(self._watch_loop(), name="cluster-watch")
+        if cfg.planner != "off":
+            self.actuator = self._make_actuator()
+            self._plan = asyncio.create_task(self.actuator.run(), name="planner")
         return dispatcher
+
+    # -- the planner (cluster/planner/) ---------------------------------------------------
+    def _make_actuator(self) -> Actuator:
+        cfg = self.config
+        assert cfg.slo_ttft_ms and cfg.slo_tpot_ms
+        budget = cfg.planner_max_workers or len(os.sched_getaffinity(0))
+        planner = Planner(PlannerConfig(
+            slo_ttft_s=cfg.slo_ttft_ms / 1000, slo_tpot_s=cfg.slo_tpot_ms / 1000,
+            max_workers=max(budget, len(self.handles)), interval_s=cfg.planner_interval_s,
+            model_load_s=cfg.planner_model_load_s))
+        return Actuator(planner, PlannerMode(cfg.planner), self._observe, self,
+                        self._on_decision)
+
+    def _observe(self) -> Observation:
+        """The interval's traffic and every worker the cluster runs: registered ones with
+        their fitted cost models, starting ones (and those registered less than a model
+        load ago) as warming. Draining workers are already leaving."""
+        assert self.dispatcher is not None
+        d, now = self.dispatcher, time.monotonic()
+        totals = d.interval.take(now)
+        serving = [w for w in d.table.healthy() if not w.draining]
+        colocated = not any(w.role is Role.PREFILL for w in serving)
+        samples = []
+        for handle in self.handles:
+            spec = handle.spec
+            info = d.table.by_id.get(spec.worker_id)
+            if info is not None and info.draining:
+                continue
+            state = d.router.worker_state(spec.worker_id)
+            role = Role.BOTH if colocated and spec.role is Role.DECODE else spec.role
+            warming = (info is None or state is None
+                       or now - info.joined < self.config.planner_model_load_s)
+            samples.append(WorkerSample(
+                spec.worker_id, role, warming,
+                _fitted(state.prefill_model) if state else None,
+                _fitted(state.decode_model) if state else None,
+                state.num_running if state else 0, state.num_waiting if state else 0,
+                state.num_waiting_tokens if state else 0,
+                info.ready.max_num_seqs if info else 256))
+        return Observation(now, totals.duration_s, totals.num_arrivals,
+                           totals.mean_prompt_tokens, totals.mean_output_tokens,
+                           totals.ttft_attainment, totals.tpot_attainment, tuple(samples))
+
+    def _on_decision(self, decision: Decision, applied: list[Applied]) -> None:
+        assert self.dispatcher is not None
+        metrics = self.dispatcher.metrics
+        metrics.planner_target.labels("prefill").set(decision.num_prefill)
+        metrics.planner_target.labels("decode").set(decision.num_decode)
+        done = {id(a.step): a for a in applied}
+        for step in decision.steps:
+            a = done.get(id(step))
+            result = "advised" if a is None else "applied" if a.ok else "failed"
+            metrics.planner_steps.labels(step.kind.value, result).inc()
+        self.last_decision = {
+            "mode": self.config.planner, "layout": decision.layout.value,
+            "prefill": decision.num_prefill, "decode": decision.num_decode,
+            "steps": [{"kind": s.kind.value, "role": s.role.value if s.role else None,
+                       "worker": s.worker_id} for s in decision.steps],
+            "applied": [{"ok": a.ok, "detail": a.detail} for a in applied],
+            "predicted": {"rate": decision.predicted_rate, "ttft_s": decision.predicted_ttft_s,
+                          "tpot_s": decision.predicted_tpot_s},
+            "reasons": list(decision.reasons)}
 
     async def _start_or_adopt(self, specs: list[WorkerSpec]) -> None:
         """Adopts the live workers a previous frontend of this cluster left (Ray), where
@@ -187,11 +265,14 @@ class Cluster:
         """Starts one more worker of `role` (the next free index, the engine and placement
         of that pool's first worker); it serves once registered. Its id."""
         assert self.dispatcher is not None
-        template = next((h.spec for h in self.handles if h.spec.role is role), None)
-        if template is None:
-            raise ValueError(f"no {role.value} pool to grow in this cluster")
-        index = 1 + max(h.spec.index for h in self.handles if h.spec.role is role)
-        spec = replace(template, index=index, epoch=1)
+        same = [h.spec for h in self.handles if h.spec.role is role]
+        if Role.BOTH in (role, *(h.spec.role for h in self.handles)) and not same:
+            raise ValueError(f"no {role.value} pool in this cluster (--mode "
+                             f"{self.config.mode})")
+        template = same[0] if same else self.handles[0].spec  # engine args are the pool's
+        index = 1 + max((s.index for s in same), default=-1)
+        spec = replace(template, role=role, index=index, epoch=1)
+        spec = replace(spec, epoch=self._next_epoch(spec.worker_id, 1))
         self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(
             spec.identity)))
         logger.info("added %s", spec.worker_id)
@@ -212,7 +293,8 @@ class Cluster:
         if role is old.role or Role.BOTH in (role, old.role):
             raise ValueError(f"{worker_id} can switch between prefill and decode only")
         index = 1 + max((h.spec.index for h in self.handles if h.spec.role is role), default=-1)
-        new = replace(old, role=role, index=index, epoch=old.epoch + 1)
+        new = replace(old, role=role, index=index, epoch=0)
+        new = replace(new, epoch=self._next_epoch(new.worker_id, old.epoch + 1))
         report: dict[str, object] = {**await self.dispatcher.drain(worker_id, timeout_s)}
         self.handles[i] = self.runtime.rename(self.handles[i], new)
         secret = self.dispatcher.link.enroll(new.identity)
@@ -224,6 +306,14 @@ class Cluster:
                                               .worker_start_timeout_s)
         logger.info("%s is now %s (same process)", worker_id, new.worker_id)
         return {"worker": new.worker_id, "was": worker_id, **report}
+
+    def _next_epoch(self, worker_id: str, at_least: int) -> int:
+        """An incarnation number no identity of `worker_id` has used (a removed one never
+        comes back: WorkerTable.check)."""
+        assert self.dispatcher is not None
+        used = [int(i.decode().rpartition(":")[2]) for i in self.dispatcher.table.seen
+                if i.decode().rpartition(":")[0] == worker_id]
+        return max([at_least, *(e + 1 for e in used)])
 
     async def drain_worker(self, worker_id: str, timeout_s: float = 60.0) -> dict[str, object]:
         """Takes a worker out of routing, moves its decoding requests to the other decode
@@ -245,8 +335,9 @@ class Cluster:
         return {"worker": worker_id, **report}
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._plan, self._watch):
+            if task is not None:
+                task.cancel()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await asyncio.to_thread(self.runtime.shutdown, self.handles)

@@ -33,6 +33,7 @@ from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.admin import ClusterAdmin
 from splitserve.cluster.frontend.delivery import Redelivery
 from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
+from splitserve.cluster.frontend.interval import IntervalStats
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.migration import Migrations
@@ -74,6 +75,7 @@ class Dispatcher:
                                slo_ttft_s if reject_early else None)
         self.admin = ClusterAdmin(self.table, self.link, self.metrics,
                                   fault_injection=fault_injection)
+        self.interval = IntervalStats(time.monotonic(), slo_ttft_s, slo_tpot_s)  # the planner's
         self.migrations = Migrations(self.flights, self.table, self.link, router, self.metrics,
                                      deadlines, self._hold, self.fail_attempt)
         self.delivery = Redelivery(self.link, self.flights, self.fail_attempt, self.mark_dead)
@@ -156,6 +158,7 @@ class Dispatcher:
     async def _place(self, flight: Flight) -> None:
         decision = await self.routing.place(flight)
         flight.dispatched_at = time.monotonic()
+        self.interval.routed(len(flight.request.prompt_token_ids) - decision.num_cached_tokens)
         self.metrics.queue_time.labels("admission").observe(flight.dispatched_at - flight.arrival)
         flight.advance(FlightState.PREFILL, flight.dispatched_at, self.deadlines)
         self._dispatch(flight, decision)
@@ -200,6 +203,10 @@ class Dispatcher:
     def _retire(self, flight: Flight, outcome: Outcome) -> None:
         self._release(flight)
         self.flights.remove(flight)
+        now, n = time.monotonic(), flight.merger.num_tokens
+        if flight.first_token_at is not None and outcome in (Outcome.STOP, Outcome.LENGTH):
+            self.interval.finished(flight.first_token_at - flight.arrival,
+                                   (now - flight.first_token_at) / (n - 1) if n > 1 else 0.0, n)
         self.metrics.observe_finished(flight, outcome.value, time.monotonic(), self.slo_ttft_s,
                                       self.slo_tpot_s)
         self.routing.admit_queued()

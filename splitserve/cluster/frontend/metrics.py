@@ -155,6 +155,12 @@ class Metrics:
                                        "asked to move to another worker with their KV, by "
                                        "outcome (moved, refused, target_gone)", ["outcome"],
                                        registry=r)
+        self.planner_target = Gauge("splitserve_planner_target_workers", "Workers per role "
+                                    "the planner's last decision targets", ["role"],
+                                    registry=r)
+        self.planner_steps = Counter("splitserve_planner_steps", "Steps the planner decided, "
+                                     "by kind and result (applied, failed, advised)",
+                                     ["kind", "result"], registry=r)
         self.worker_restarts = Counter("splitserve_worker_restarts", "Worker processes "
                                        "restarted after exiting", ["worker"], registry=r)
         self.faults_injected = Counter("splitserve_faults_injected", "Faults armed through "

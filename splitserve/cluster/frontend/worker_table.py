@@ -22,6 +22,7 @@ class WorkerInfo:
     last_seen: float  # monotonic time of the last message
     healthy: bool = True
     draining: bool = False  # out of routing, its requests moving elsewhere (Dispatcher.drain)
+    joined: float = 0.0  # monotonic time it registered (a planner treats it as warming a while)
     # Requests this worker holds state for, so a death fails exactly those.
     request_ids: set[str] = field(default_factory=set)
 
@@ -87,7 +88,8 @@ class WorkerTable:
         old = self.by_id.get(ready.worker_id)
         if old is not None:
             self.workers.pop(old.identity, None)
-        info = WorkerInfo(identity, ready, time.monotonic())
+        now = time.monotonic()
+        info = WorkerInfo(identity, ready, now, joined=now)
         self.seen.add(identity)
         self.workers[identity] = info
         self.by_id[ready.worker_id] = info

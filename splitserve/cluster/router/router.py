@@ -136,6 +136,10 @@ class Router:
     def worker_ids(self) -> list[str]:
         return list(self._workers)
 
+    def worker_state(self, worker_id: str) -> WorkerState | None:
+        """A worker's load and cost models, read-only (the planner's view)."""
+        return self._workers.get(worker_id)
+
     def update_load(self, worker_id: str, load: WorkerLoad) -> None:
         """A load report; it replaces the in-flight tally (see load.py)."""
         worker = self._workers.get(worker_id)
