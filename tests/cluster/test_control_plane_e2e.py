@@ -52,7 +52,11 @@ def control_address(server: Any) -> str:
     """The frontend's ROUTER: the port its process listens on that greets in ZMTP."""
     inodes = set()
     for fd in Path(f"/proc/{server.proc.pid}/fd").iterdir():
-        m = re.match(r"socket:\[(\d+)\]", os.readlink(fd))
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed since the listing
+            continue
+        m = re.match(r"socket:\[(\d+)\]", target)
         if m:
             inodes.add(m.group(1))
     ports = set()

@@ -67,8 +67,8 @@ def test_prefill_worker_dies_before_publishing(cluster: Any, offline: LLM) -> No
     arm(cluster, "prefill-0", kind="kill", point="prefill")
     assert complete(cluster, PROMPT, 16, GREEDY) == expected(offline, PROMPT, 16, GREEDY)
     assert metric(cluster, "splitserve_retries_total", reason="worker_dead") >= 1
+    assert_pools_clean(cluster, NUM_WORKERS)  # waits for the restart (after its backoff)
     assert metric(cluster, "splitserve_worker_restarts_total", worker="prefill-0") == 1
-    assert_pools_clean(cluster, NUM_WORKERS)
     prefill = [w for w in cluster.workers() if w["id"] == "prefill-0"]
     assert prefill[0]["incarnation"] == "prefill-0:2"
 

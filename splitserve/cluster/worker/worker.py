@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -22,7 +21,8 @@ from typing import Any
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import WorkerSecret
 from splitserve.cluster.protocol import FailureKind, FaultSpec, Role
-from splitserve.cluster.worker.control import FrontendSocket
+from splitserve.cluster.worker.membership import Membership
+from splitserve.cluster.worker.reports import Reports
 from splitserve.cluster.worker.faults import FaultInjector
 from splitserve.cluster.worker.handoff import Handoffs
 from splitserve.cluster.worker.spec import WorkerSpec
@@ -56,20 +56,13 @@ class Worker:
             f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
             if spec.role.can_decode else None)
         # A CURVE client keyed by `secret` (cluster/auth.py); sends time out when the
-        # frontend is gone (then this worker exits: `_send`).
-        self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
-                                      spec.send_timeout_s)
-        self.frontend_gone = False
+        # frontend is gone (then this worker exits, or waits to be adopted: `_send`).
+        self.member = Membership(spec, secret)
         self.streams: dict[str, OutputStream] = {}
         self.reserving: dict[str, tuple[P.Generate, float]] = {}  # awaiting block room
-        self.event_seq = 0
-        self.steps: list[P.StepTiming] = []
-        self.num_prompt_tokens = self.num_hit_tokens = 0
-        self.next_report = 0.0
+        self.reports = Reports(spec.report_interval_s)
         self.stopping = False
         self.faults = FaultInjector(spec.fault_injection)
-        self._adoption: tuple[str, WorkerSecret] | None = None  # set by adopt(), any thread
-        self._adoption_lock = threading.Lock()
 
     # -- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -81,16 +74,14 @@ class Worker:
             self._receive(self._wait_s())
             self._inject(self.faults.fire("now"))
             outputs = self._step()
-            if outputs and engine.last_step is not None:
-                s = engine.last_step
-                self.steps.append(P.StepTiming(s.num_prefill_tokens, s.num_decode_seqs,
-                                               s.seconds))
+            if outputs:
+                self.reports.step_done(engine)
             self._move_kv(outputs)
             for out in outputs:
                 self._output(out)
             self._publish_events()
-            if time.monotonic() >= self.next_report:
-                self._report()
+            if self.reports.is_due():
+                self._send(self.reports.load_report(engine, self.receiver))
                 if os.getppid() != parent:  # the frontend died without stopping us
                     logger.warning("parent process is gone; exiting")
                     break
@@ -113,14 +104,12 @@ class Worker:
         (the engine thread does it at its next turn). Requests of the previous frontend
         end (their clients were its connections), the cached prefixes stay and are told
         to the new frontend (KVSnapshot) right after WorkerReady; the weights stay loaded."""
-        with self._adoption_lock:
-            self._adoption = (frontend_address, secret)
+        self.member.adopt(frontend_address, secret)
 
     def _take_adoption(self) -> None:
-        with self._adoption_lock:
-            adoption, self._adoption = self._adoption, None
+        adoption = self.member.take_adoption()
         if adoption is None:
-            if self.frontend_gone:  # outlive_frontend: its requests have no client left
+            if self.member.gone:  # outlive_frontend: its requests have no client left
                 self._abort_all()
             return
         address, secret = adoption
@@ -148,15 +137,12 @@ class Worker:
     def _rejoin(self, spec: WorkerSpec, secret: WorkerSecret) -> None:
         """Connects anew (another frontend, or another identity) and registers again, with
         a snapshot of the cached prefixes so the router's index starts warm."""
-        self.control.close(linger_ms=0)  # whatever was queued for the old link is dropped
         self.spec = spec
-        self.control = FrontendSocket(spec.frontend_address, spec.identity, secret,
-                                      spec.send_timeout_s)
-        self.frontend_gone = False
+        self.member.rejoin(spec, secret)
         self.engine.take_kv_events()  # the snapshot below says it all
         self._register()
-        self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
-        self.next_report = 0.0
+        self._send(self.reports.snapshot(self.engine))
+        self.reports.next_report = 0.0
 
     def _request_ids(self) -> set[str]:
         return set(self.engine.request_ids()) | set(self.streams) | set(self.reserving)
@@ -189,7 +175,7 @@ class Worker:
     def _receive(self, timeout_s: float) -> None:
         """Acts on every pending message (frames that are not one are dropped by
         FrontendSocket.receive); nothing a message raises ends the engine thread."""
-        for msg in self.control.receive(timeout_s):
+        for msg in self.member.receive(timeout_s):
             try:
                 self._handle(msg)
             except Exception:  # _handle fails the request itself: this is the last guard
@@ -223,7 +209,7 @@ class Worker:
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, P.ResyncKV):
-            self._send(P.KVSnapshot(self.event_seq, self.engine.cached_block_hashes()))
+            self._send(self.reports.snapshot(self.engine))
         elif isinstance(msg, P.EvictBlocks):
             self.engine.evict_cached_blocks(msg.block_hashes)
         elif isinstance(msg, P.SwitchRole):
@@ -334,7 +320,7 @@ class Worker:
         except InvalidRequestError as exc:
             self._fail(rid, FailureKind.INVALID_REQUEST, str(exc), exc.field)
             return False
-        self.num_prompt_tokens += req.num_prompt_tokens
+        self.reports.num_prompt_tokens += req.num_prompt_tokens
         return True
 
     def _reserve(self) -> None:
@@ -423,50 +409,22 @@ class Worker:
         self._send(stream.next_output(out))
         if out.finished:
             self.streams.pop(rid, None)
-            self.num_hit_tokens += out.num_cached_tokens
+            self.reports.num_hit_tokens += out.num_cached_tokens
         if out.delta_token_ids:
             self._inject(self.faults.fire("first_token" if stream.first_token_only
                                           else "decode"), rid)
 
-    # -- events and reports ---------------------------------------------------------------------
+    # -- events and reports (reports.py) ---------------------------------------------------
     def _publish_events(self) -> None:
-        events = self.engine.take_kv_events()
-        if events and self.faults.fire("events") is not None:
-            return  # injected: these events are lost without a trace (no seq gap)
-        if events:
-            self.event_seq += 1
-            self._send(P.KVEventBatch(self.event_seq, events))
-
-    def _report(self) -> None:
-        load = self.engine.load()
-        self._send(P.LoadReport(
-            num_running=load.num_running, num_waiting=load.num_waiting,
-            num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
-            kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
-            steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
-            num_prompt_tokens=self.num_prompt_tokens, kv_listener=self._listener_stats()))
-        self.steps = []
-        self.next_report = time.monotonic() + self.spec.report_interval_s
-
-    def _listener_stats(self) -> P.KVListenerStats | None:
-        if self.receiver is None:
-            return None
-        s = self.receiver.stats
-        return P.KVListenerStats(s.held, s.accepted, s.evicted, s.refused, s.timed_out,
-                                 self.receiver.num_rejected_headers, self.receiver.num_forged)
+        batch = self.reports.events(self.engine, lambda: self.faults.fire("events") is not None)
+        if batch is not None:
+            self._send(batch)
 
     def _send(self, msg: P.Message) -> None:
-        # A send that timed out: the frontend is gone or stuck; drop the rest and exit,
-        # or (outlive_frontend) end its requests and wait for a new frontend's adopt().
-        if self.frontend_gone or self.control.send(msg):
-            return
-        self.frontend_gone = True
-        if not self.spec.outlive_frontend:
-            logger.error("the frontend took nothing for %g s; exiting", self.spec.send_timeout_s)
+        # The frontend gone (a send timed out): drop the rest and exit, or
+        # (outlive_frontend) end its requests next turn and wait for a new one's adopt().
+        if not self.member.send(msg) and not self.spec.outlive_frontend:
             self.stopping = True
-            return
-        logger.error("the frontend took nothing for %g s; ending its requests (next turn) "
-                     "and waiting to be adopted", self.spec.send_timeout_s)
 
     def close(self) -> None:
         self._abort_all()
@@ -475,4 +433,4 @@ class Worker:
             self.receiver.close()
         self.engine.check_invariants()
         assert self.engine.load().kv_blocks_used == 0, "blocks leaked at shutdown"
-        self.control.close()
+        self.member.close()

@@ -1,0 +1,61 @@
+"""What a worker tells the frontend besides requests: its KV events (numbered batches, so
+a lost one shows as a gap) and its load report, which doubles as the heartbeat (queue,
+KV blocks, the steps it ran since the last one as cost-model samples, prefix-hit totals,
+its KV listener's counts)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from splitserve.cluster import protocol as P
+from splitserve.engine.engine import LLMEngine
+from splitserve.transfer.receiver import KVReceiver
+
+
+class Reports:
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.event_seq = 0  # of the last event batch sent
+        self.steps: list[P.StepTiming] = []
+        self.num_prompt_tokens = self.num_hit_tokens = 0
+        self.next_report = 0.0  # monotonic: when the next load report is due
+
+    def step_done(self, engine: LLMEngine) -> None:
+        s = engine.last_step
+        if s is not None:
+            self.steps.append(P.StepTiming(s.num_prefill_tokens, s.num_decode_seqs, s.seconds))
+
+    def events(self, engine: LLMEngine, lose: Callable[[], bool]) -> P.KVEventBatch | None:
+        """The engine's new KV events as the next batch, unless `lose()` (asked only when
+        there are some: fault injection) says they vanish without a trace (no gap)."""
+        events = engine.take_kv_events()
+        if not events or lose():
+            return None
+        self.event_seq += 1
+        return P.KVEventBatch(self.event_seq, events)
+
+    def snapshot(self, engine: LLMEngine) -> P.KVSnapshot:
+        return P.KVSnapshot(self.event_seq, engine.cached_block_hashes())
+
+    def is_due(self) -> bool:
+        return time.monotonic() >= self.next_report
+
+    def load_report(self, engine: LLMEngine, receiver: KVReceiver | None) -> P.LoadReport:
+        load = engine.load()
+        report = P.LoadReport(
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
+            kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
+            steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
+            num_prompt_tokens=self.num_prompt_tokens, kv_listener=_listener_stats(receiver))
+        self.steps = []
+        self.next_report = time.monotonic() + self.interval_s
+        return report
+
+
+def _listener_stats(receiver: KVReceiver | None) -> P.KVListenerStats | None:
+    if receiver is None:
+        return None
+    s = receiver.stats
+    return P.KVListenerStats(s.held, s.accepted, s.evicted, s.refused, s.timed_out,
+                             receiver.num_rejected_headers, receiver.num_forged)
