@@ -122,10 +122,14 @@ class Cluster:
         cfg = self.config
         assert cfg.slo_ttft_ms and cfg.slo_tpot_ms
         budget = cfg.planner_max_workers or len(os.sched_getaffinity(0))
+        interval = cfg.planner_interval_s
+        # Cooldowns and the scale-down window in intervals (1, 3, 12: 10 s, 30 s, 120 s at
+        # the default interval), so a shorter interval makes the whole planner faster.
         planner = Planner(PlannerConfig(
             slo_ttft_s=cfg.slo_ttft_ms / 1000, slo_tpot_s=cfg.slo_tpot_ms / 1000,
-            max_workers=max(budget, len(self.handles)), interval_s=cfg.planner_interval_s,
-            model_load_s=cfg.planner_model_load_s))
+            max_workers=max(budget, len(self.handles)), interval_s=interval,
+            scale_up_cooldown_s=interval, scale_down_cooldown_s=3 * interval,
+            scale_down_window_s=12 * interval, model_load_s=cfg.planner_model_load_s))
         return Actuator(planner, PlannerMode(cfg.planner), self._observe, self,
                         self._on_decision)
 
