@@ -329,6 +329,12 @@ class Cluster:
         if handle is None:
             raise KeyError(f"no worker {worker_id!r}; workers: "
                            f"{sorted(h.spec.worker_id for h in self.handles)}")
+        if worker_id not in self.dispatcher.table.by_id:  # still starting: nothing to move
+            self.handles.remove(handle)
+            self.dispatcher.link.revoke(handle.spec.identity)
+            await asyncio.to_thread(self.runtime.stop_worker, handle)
+            logger.info("stopped %s before it registered", worker_id)
+            return {"worker": worker_id, "moved": 0, "stayed": 0, "pool": None}
         report: dict[str, object] = {**await self.dispatcher.drain(worker_id, timeout_s)}
         # What it holds now, by its own check (nothing, unless requests stayed).
         report["pool"] = (await self.dispatcher.admin.check_pools()).get(worker_id)
