@@ -104,7 +104,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner-max-workers", type=int,
                    help="the planner's budget of workers (default: one per core)")
     p.add_argument("--planner-model-load-s", type=float,
-                   help="seconds from starting a worker to it serving (30)")
+                   help="seconds from starting a worker to it serving (default: measured "
+                   "on this cluster's starts, 30 before the first)")
     p.add_argument("--admission", choices=["queue", "reject"],
                    help="queue: a request without room waits (default); reject: one whose "
                    "predicted TTFT passes --slo-ttft-ms gets 429 at once (early rejection)")

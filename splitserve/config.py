@@ -195,7 +195,9 @@ class ServeConfig:
     planner: str = "off"
     planner_interval_s: float = 10.0
     planner_max_workers: int | None = None  # the budget; None: one worker per core
-    planner_model_load_s: float = 30.0  # start of a worker -> serving
+    # Start of a worker -> serving; None: measured (the median over the workers the
+    # cluster started; 30 s before the first registers).
+    planner_model_load_s: float | None = None
     tenant_max_cached_blocks: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None

@@ -16,6 +16,7 @@ from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
+from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
                                               WorkerSample)
 from splitserve.cluster.planner.planner import Planner
@@ -86,6 +87,7 @@ class Cluster:
         self._watch: asyncio.Task[None] | None = None
         self._failures: dict[str, int] = {}  # worker id -> restarts in a row
         self._started: dict[str, float] = {}  # worker id -> when its restart started
+        self._load_times = LoadTimes()  # start -> registered, for the planner
 
     async def start(self) -> Dispatcher:
         cfg = self.config
@@ -129,7 +131,7 @@ class Cluster:
             slo_ttft_s=cfg.slo_ttft_ms / 1000, slo_tpot_s=cfg.slo_tpot_ms / 1000,
             max_workers=max(budget, len(self.handles)), interval_s=interval,
             scale_up_cooldown_s=interval, scale_down_cooldown_s=3 * interval,
-            scale_down_window_s=12 * interval, model_load_s=cfg.planner_model_load_s))
+            scale_down_window_s=12 * interval, model_load_s=self.model_load().seconds))
         return Actuator(planner, PlannerMode(cfg.planner), self._observe, self,
                         self._on_decision)
 
@@ -140,6 +142,7 @@ class Cluster:
         assert self.dispatcher is not None
         d, now = self.dispatcher, time.monotonic()
         totals = d.interval.take(now)
+        load = self.model_load()
         serving = [w for w in d.table.healthy() if not w.draining]
         colocated = not any(w.role is Role.PREFILL for w in serving)
         samples = []
@@ -151,7 +154,7 @@ class Cluster:
             state = d.router.worker_state(spec.worker_id)
             role = Role.BOTH if colocated and spec.role is Role.DECODE else spec.role
             warming = (info is None or state is None
-                       or now - info.joined < self.config.planner_model_load_s)
+                       or now - info.joined < load.seconds)
             samples.append(WorkerSample(
                 spec.worker_id, role, warming,
                 _fitted(state.prefill_model) if state else None,
@@ -161,7 +164,19 @@ class Cluster:
                 info.ready.max_num_seqs if info else 256))
         return Observation(now, totals.duration_s, totals.num_arrivals,
                            totals.mean_prompt_tokens, totals.mean_output_tokens,
-                           totals.ttft_attainment, totals.tpot_attainment, tuple(samples))
+                           totals.ttft_attainment, totals.tpot_attainment, tuple(samples),
+                           load.seconds)
+
+    def model_load(self) -> ModelLoad:
+        """The start-to-serving time the planner uses: `--planner-model-load-s` when
+        given, else the median measured over the workers this cluster started (those
+        registered since the last call are counted first), else the default."""
+        assert self.dispatcher is not None
+        for handle in self.handles:
+            info = self.dispatcher.table.by_id.get(handle.spec.worker_id)
+            if info is not None and info.identity == handle.spec.identity:
+                self._load_times.registered(info.identity, info.joined)
+        return self._load_times.estimate(self.config.planner_model_load_s)
 
     def _on_decision(self, decision: Decision, applied: list[Applied]) -> None:
         assert self.dispatcher is not None
@@ -181,6 +196,7 @@ class Cluster:
             "applied": [{"ok": a.ok, "detail": a.detail} for a in applied],
             "predicted": {"rate": decision.predicted_rate, "ttft_s": decision.predicted_ttft_s,
                           "tpot_s": decision.predicted_tpot_s},
+            "model_load": self.model_load().to_dict(),
             "reasons": list(decision.reasons)}
 
     async def _start_or_adopt(self, specs: list[WorkerSpec]) -> None:
@@ -201,6 +217,7 @@ class Cluster:
             if spec.worker_id not in adopt:
                 if spec.worker_id in found:  # a new incarnation of a different shape
                     spec = replace(spec, epoch=found[spec.worker_id].epoch + 1)
+                self._load_times.started(spec.identity, time.monotonic())
                 self.handles.append(self.runtime.start_worker(spec, link.enroll(spec.identity)))
 
     async def _wait_registered(self, num: int) -> None:
@@ -258,6 +275,7 @@ class Cluster:
             return
         spec = self.handles[i].spec
         new = replace(spec, epoch=spec.epoch + 1)
+        self._load_times.started(new.identity, time.monotonic())
         self.handles[i] = self.runtime.start_worker(new, self.dispatcher.link.enroll(
             new.identity))
         self._started[worker_id] = time.monotonic()
@@ -277,6 +295,7 @@ class Cluster:
         index = 1 + max((s.index for s in same), default=-1)
         spec = replace(template, role=role, index=index, epoch=1)
         spec = replace(spec, epoch=self._next_epoch(spec.worker_id, 1))
+        self._load_times.started(spec.identity, time.monotonic())
         self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(
             spec.identity)))
         logger.info("added %s", spec.worker_id)
@@ -331,6 +350,7 @@ class Cluster:
                            f"{sorted(h.spec.worker_id for h in self.handles)}")
         if worker_id not in self.dispatcher.table.by_id:  # still starting: nothing to move
             self.handles.remove(handle)
+            self._load_times.forget(handle.spec.identity)
             self.dispatcher.link.revoke(handle.spec.identity)
             await asyncio.to_thread(self.runtime.stop_worker, handle)
             logger.info("stopped %s before it registered", worker_id)

@@ -29,6 +29,10 @@ def test_advisory_planner_reports_decisions_and_acts_on_none(start_server: Any) 
     idle = _decision(server, time.monotonic() + 2)
     assert idle["mode"] == "advisory" and idle["reasons"], idle
     assert idle["layout"] in ("disagg", "agg")
+    # No --planner-model-load-s: the two workers' own start-to-registered times.
+    load = idle["model_load"]
+    assert load["source"] == "measured" and load["samples"] == 2, load
+    assert 0 < load["seconds"] < 600, load
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from splitserve.cluster.planner.load_time import DEFAULT_MODEL_LOAD_S
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.cost_model import CostModelConfig, Quadratic
 
@@ -57,7 +58,7 @@ class PlannerConfig:
     scale_down_window_s: float = 120.0
     # Seconds from starting a worker to it serving: growth is sized for the load
     # forecast that far past the next interval.
-    model_load_s: float = 30.0
+    model_load_s: float = DEFAULT_MODEL_LOAD_S  # an Observation's measured one wins
     allow_colocated: bool = True
     allow_role_switch: bool = True  # a pool's surplus worker may switch to a short pool
     # The share of requests that must meet the TTFT SLO (the queueing quantile); also the
@@ -141,6 +142,8 @@ class Observation:
     ttft_attainment: float | None  # share of finished requests within the SLO; None: none
     tpot_attainment: float | None
     workers: tuple[WorkerSample, ...]
+    # Start-to-serving time the cluster measured (load_time.py); None: the config's.
+    model_load_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,11 @@ The model, per interval k (rates in requests/s, times in seconds):
        F(h) = max(0, L_k + (phi + phi^2 + ... + phi^h) T_k)
    sized for lambda = max(L_k, F(1 + model_load_s / interval_s)): on a rising trend, the
    load when a worker started now first serves; never below the level (a falling trend
-   shrinks nothing early). Prompt (uncached) and output lengths are EWMAs. After
-   `idle_intervals` with no arrivals and nothing in flight the pools go to their
-   minimums, cooldowns and windows aside, and the forecast restarts from the next load.
+   shrinks nothing early). model_load_s is the cluster's measured start-to-serving
+   time when the observation carries one (load_time.py). Prompt (uncached) and output
+   lengths are EWMAs. After `idle_intervals` with no arrivals and nothing in flight the
+   pools go to their minimums, cooldowns and windows aside, and the forecast restarts
+   from the next load.
 2. Capacity. The pool's curves average the coefficients of the warm workers' own fits:
    prefill S(t) = a + b t + c t^2, decode step D(n) = a + b n + c n^2. Warming workers
    count in their pool's size (they were started for a reason) but never in its curves.
@@ -168,7 +170,8 @@ class Planner:
 
     def _demand(self, obs: Observation) -> Demand:
         cfg, fc = self.config, self._forecast
-        ahead = 1 + cfg.model_load_s / cfg.interval_s
+        load_s = cfg.model_load_s if obs.model_load_s is None else obs.model_load_s
+        ahead = 1 + load_s / cfg.interval_s
         # Never below the level: a falling trend lowers nothing (the level lags: shrinking
         # is a little late, never early).
         rate = max(fc.level, fc.rate_in(ahead))
