@@ -172,6 +172,7 @@ class Generate:
     recompute_on_failure: bool  # a failed import falls back to a local prefill
     # Output an earlier attempt produced (retry or migration): go on from there.
     resume_token_ids: list[int] = field(default_factory=list)
+    tenant: str | None = None  # whose cache its blocks count against below the pool
 
 
 @dataclass(slots=True)
@@ -184,6 +185,7 @@ class Prefill:
     namespace: str | None
     kv_timeout_s: float
     resume_token_ids: list[int] = field(default_factory=list)  # as in Generate
+    tenant: str | None = None  # as in Generate
 
 
 @dataclass(slots=True)

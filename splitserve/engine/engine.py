@@ -13,6 +13,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.batch import SampledToken, ScheduledBatch
 from splitserve.engine.kv_connector import (KVConnector, KVLayout, KVRange, KVRequestState,
                                             LayerListener)
+from splitserve.engine.kv_tiers import KVTiers, TierBridge
 from splitserve.engine.output import Detokenizer, RequestOutput
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.runner import ModelRunner
@@ -135,9 +136,11 @@ class LLMEngine(KVConnector):
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     *, namespace: str | None = None, hold_kv: bool = False,
-                    await_kv: bool = False, resume_token_ids: list[int] | None = None
-                    ) -> Request:
-        """Queues a request. `await_kv`: its prompt KV will be imported (WAITING_FOR_KV);
+                    await_kv: bool = False, resume_token_ids: list[int] | None = None,
+                    tenant: str | None = None) -> Request:
+        """Queues a request. `namespace`: which cached prefixes it may hit; `tenant`: whose
+        cache its blocks count against below the pool (defaults to the namespace).
+        `await_kv`: its prompt KV will be imported (WAITING_FOR_KV);
         `hold_kv`: keep its blocks after it finishes until `release_kv` (for export).
         `resume_token_ids`: output an earlier attempt already produced; the request goes
         on from there exactly as the uninterrupted one would (sampling is a function of
@@ -161,7 +164,8 @@ class LLMEngine(KVConnector):
             cache_root=root_hash(self.fingerprint, namespace), max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
             status=RequestStatus.WAITING_FOR_KV if await_kv else RequestStatus.WAITING,
-            hold_kv=hold_kv, resumed_token_ids=resumed)
+            hold_kv=hold_kv, resumed_token_ids=resumed,
+            tenant=tenant if tenant is not None else namespace)
         req.update_block_hashes(self.block_size)
         self.scheduler.add(req)
         self.detokenizer.add(request_id, params.logprobs is not None)
@@ -269,6 +273,25 @@ class LLMEngine(KVConnector):
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash in the prefix cache now (a snapshot for an index resync)."""
         return self.kv.pool.cached_hashes()
+
+    # -- tiers below the pool (kv_tiers.py; implemented by splitserve.store) ----------------------
+    def attach_tiers(self, tiers: KVTiers) -> TierBridge:
+        """From now on evicted cached blocks go down to `tiers` and waiting requests'
+        prefixes come up from them."""
+        bridge = TierBridge(self.kv, self.kv_cache, self.kv_layout, tiers)
+        self.scheduler.promote = bridge.promote
+        return bridge
+
+    def purge_tenant(self, tenant: str | None) -> int:
+        """Drops the tenant's cached blocks that no request uses and overwrites their KV
+        with zeros (blocks in use keep theirs until freed). Returns how many."""
+        pool = self.kv.pool
+        ids = [b for b in pool.cached_block_ids() if pool.block(b).owner == tenant]
+        pool.evict_cached([pool.block(b).block_hash or b"" for b in ids])
+        freed = [b for b in ids if pool.block(b).block_hash is None]
+        if freed:
+            self.kv_cache[:, :, torch.tensor(freed, device=self.device)] = 0
+        return len(freed)
 
     # -- KV connector (kv_connector.py: what a KV transfer may ask of the engine) ----------------
     def request_state(self, request_id: str) -> KVRequestState | None:

@@ -45,6 +45,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Keep the KV blocks after finishing, for export; released by the engine's release_kv.
     hold_kv: bool = False
+    # Whose cache its blocks count against in the tiers below the pool (quotas, keys).
+    tenant: str | None = None
     # Output tokens an earlier attempt already produced (a retry or a migration resumes
     # the sequence): they count as output for sampling, penalties, stops and max_tokens.
     resumed_token_ids: list[int] = field(default_factory=list)

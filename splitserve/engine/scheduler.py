@@ -9,11 +9,16 @@ Prefix hits and imported KV just start a request with some tokens already comput
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.batch import RunnerOutput, SampleSpec, ScheduledBatch, ScheduledSeq
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.kv_cache import KVCacheManager
+from splitserve.kv_cache import BlockHash, KVCacheManager
+
+# Brings a request's prefix up from the tiers below the pool (engine/kv_tiers.py):
+# (block hashes, tokens, tenant) -> blocks promoted into the prefix cache.
+Promote = Callable[[Sequence[BlockHash], int, "str | None"], int]
 
 
 class Scheduler:
@@ -26,6 +31,7 @@ class Scheduler:
         # Requests whose prompt KV will be imported; blocks are reserved in arrival order.
         self.awaiting_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.promote: Promote | None = None  # set when the engine has tiers below its pool
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -83,6 +89,8 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self.promote is not None:
+                self.promote(req.block_hashes, req.num_tokens, req.tenant)
             hit = self.kv.computed_prefix(req.block_hashes, req.num_tokens)
             num_computed = len(hit) * self.block_size
             num_new = min(req.num_tokens - num_computed, budget)
@@ -109,6 +117,8 @@ class Scheduler:
         for req in self.awaiting_kv.values():
             if self.kv.block_table(req.request_id):
                 continue
+            if self.promote is not None:
+                self.promote(req.block_hashes, req.num_prefill_tokens, req.tenant)
             hit = self.kv.computed_prefix(req.block_hashes, req.num_prefill_tokens)
             if self.kv.allocate(req.request_id, req.num_prefill_tokens, hit) is None:
                 return  # keep arrival order: later ones wait too
@@ -145,7 +155,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
-                                 req.cache_root)
+                                 req.cache_root, req.tenant)
             sampled = result.sampled.get(seq.request_id)
             if sampled is None:
                 continue
@@ -175,7 +185,7 @@ class Scheduler:
         del self.awaiting_kv[req.request_id]
         req.num_computed_tokens = req.num_prefill_tokens
         self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
-                             req.cache_root)
+                             req.cache_root, req.tenant)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self.append_token(req, first_token_id)

@@ -13,7 +13,7 @@ cached block survives as long as possible.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_hash import HASH_SIZE, BlockHash
@@ -29,6 +29,15 @@ class KVBlock:
     # The hash before block_hash in its chain (None: the first block); kept so that the
     # cached set can be reported as chains, as events, to a consumer that lost track.
     parent_hash: BlockHash | None = None
+    # Whose cache the block is in (the tenant, for the tiers below the pool) and how often
+    # it was hit since it was cached (the disk tier admits reused blocks only).
+    owner: str | None = None
+    hits: int = 0
+
+
+# Called with a cached block about to lose its hash because its id is being reused: the
+# last moment its KV can be copied to a tier below the pool (write-back).
+EvictionHook = Callable[[KVBlock], None]
 
 
 class BlockPool:
@@ -45,6 +54,7 @@ class BlockPool:
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._events: EventLog | None = None  # None: no consumer, nothing is recorded
+        self.on_evict: EvictionHook | None = None  # set by an engine with tiers below
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,13 +82,16 @@ class BlockPool:
             block_id, _ = self._free_queue.popitem(last=False)
             block = self._blocks[block_id]
             assert block.ref_cnt == 0, f"block {block_id} in free queue with ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             block_ids.append(block_id)
         return block_ids
 
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference to each block (a prefix-cache hit reusing it)."""
+    def touch(self, block_ids: Sequence[int], hit: bool = True) -> None:
+        """Take one more reference to each block: a prefix-cache hit reusing it, or
+        (`hit=False`) a hold that keeps it from being reused without counting as one."""
         for block_id in block_ids:
             self._check_id(block_id)
         for block_id in block_ids:
@@ -86,6 +99,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free_queue[block_id]
             block.ref_cnt += 1
+            block.hits += hit and block.block_hash is not None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 go to the free queue's tail
@@ -115,10 +129,10 @@ class BlockPool:
         return block_ids
 
     def cache_block(self, block_id: int, block_hash: BlockHash,
-                    parent_hash: BlockHash | None) -> None:
+                    parent_hash: BlockHash | None, owner: str | None = None) -> None:
         """Register a full, computed, in-use block under `block_hash` (parent None: a child
-        of the root). If another block already holds the hash this one stays an uncached
-        duplicate. No-op when prefix caching is disabled."""
+        of the root) for `owner` (its tenant). If another block already holds the hash this
+        one stays an uncached duplicate. No-op when prefix caching is disabled."""
         if not self.enable_prefix_caching:
             return
         self._check_id(block_id)
@@ -134,6 +148,7 @@ class BlockPool:
         if block_hash in self._cached:
             return
         block.block_hash, block.parent_hash = block_hash, parent_hash
+        block.owner, block.hits = owner, 0
         self._cached[block_hash] = block_id
         if self._events is not None:
             self._events.stored(block_hash, parent_hash)
@@ -158,6 +173,9 @@ class BlockPool:
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
+
+    def cached_block_ids(self) -> list[int]:
+        return list(self._cached.values())
 
     def enable_events(self, max_pending_hashes: int | None = None) -> None:
         """Records KV events from now on, for one consumer that drains them with
@@ -222,7 +240,8 @@ class BlockPool:
         assert removed == block.block_id, f"hash of block {block.block_id} mapped to {removed}"
         if self._events is not None:
             self._events.removed(block.block_hash)
-        block.block_hash = block.parent_hash = None
+        block.block_hash = block.parent_hash = block.owner = None
+        block.hits = 0
         return 1
 
     def _record_cached_set(self, log: EventLog) -> EventLog:

@@ -85,10 +85,12 @@ class KVCacheManager:
         return self._num_cached.get(request_id, 0)
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash],
-                     num_computed_tokens: int, root: BlockHash) -> None:
+                     num_computed_tokens: int, root: BlockHash, owner: str | None = None
+                     ) -> None:
         """Register every full block whose tokens are all computed and that is not yet
-        registered. `block_hashes` are the request's chained full-block hashes from
-        `root`; block 0's parent is reported as None, meaning 'child of root'."""
+        registered, for `owner` (the request's tenant). `block_hashes` are the request's
+        chained full-block hashes from `root`; block 0's parent is reported as None,
+        meaning 'child of root'."""
         if request_id not in self._tables:
             raise KeyError(f"unknown request {request_id!r}; allocate it first")
         del root  # the chain already starts at root; None stands for it in events
@@ -99,7 +101,7 @@ class KVCacheManager:
         start = self._num_cached[request_id]
         for i in range(start, num_full):
             parent = block_hashes[i - 1] if i > 0 else None
-            self.pool.cache_block(table[i], block_hashes[i], parent)
+            self.pool.cache_block(table[i], block_hashes[i], parent, owner)
         self._num_cached[request_id] = max(start, num_full)
 
     def free(self, request_id: str) -> None:

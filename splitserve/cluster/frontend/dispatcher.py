@@ -174,14 +174,15 @@ class Dispatcher:
             aid, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
             kv_timeout_s=self.deadlines.kv_timeout_s,
             recompute_on_failure=self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE,
-            resume_token_ids=flight.resumed))
+            resume_token_ids=flight.resumed, tenant=req.tenant))
         if decision.prefill_worker is not None:
             prefill = self.table.by_id[decision.prefill_worker]
             flight.prefill_worker = prefill.identity
             self._hold(flight, prefill)
             self.link.send(prefill.identity, P.Prefill(
                 aid, req.prompt_token_ids, req.params, req.namespace,
-                kv_timeout_s=self.deadlines.kv_timeout_s, resume_token_ids=flight.resumed))
+                kv_timeout_s=self.deadlines.kv_timeout_s, resume_token_ids=flight.resumed,
+                tenant=req.tenant))
 
     def _hold(self, flight: Flight, worker: WorkerInfo) -> None:
         flight.workers.add(worker.identity)

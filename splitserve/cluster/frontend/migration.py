@@ -107,7 +107,7 @@ class Migrations:
         self.link.send(target.identity, P.Generate(
             aid, req.prompt_token_ids, req.params, req.namespace, await_kv=True,
             kv_timeout_s=self.deadlines.kv_timeout_s, recompute_on_failure=True,
-            resume_token_ids=tokens[:-1]))
+            resume_token_ids=tokens[:-1], tenant=req.tenant))
         flight.advance(FlightState.HANDOFF, time.monotonic(), self.deadlines)
         self.metrics.live_migrations.labels("moved").inc()
         logger.info("request %s moves from %s to %s after %d tokens", req.request_id,

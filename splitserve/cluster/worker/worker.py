@@ -261,7 +261,7 @@ class Worker:
         if self._inject(self.faults.fire("generate"), rid):
             return
         if not self._add(rid, msg.prompt_token_ids, msg.params, msg.namespace,
-                         await_kv=msg.await_kv, resume_token_ids=resumed):
+                         await_kv=msg.await_kv, resume_token_ids=resumed, tenant=msg.tenant):
             return
         # The engine's logprobs start at the first token sampled here.
         self.streams[rid] = OutputStream(logprobs_base=len(resumed) + (1 if msg.await_kv else 0))
@@ -282,7 +282,7 @@ class Worker:
         first = replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n))
         hand_off = params.max_tokens != n  # else the request ends here: nothing to send
         if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=hand_off,
-                         resume_token_ids=resumed):
+                         resume_token_ids=resumed, tenant=msg.tenant):
             return
         self.streams[rid] = OutputStream(logprobs_base=len(resumed), first_token_only=hand_off,
                                     stops=params.stop)
