@@ -74,6 +74,12 @@ class TransferCancelled(KVTransferError):
     """The transfer was cancelled locally (request aborted, endpoint closed)."""
 
 
+class StoreError(SplitserveError):
+    """The KV store (host, disk or peer tier below the engine pool) cannot do what was
+    asked: an unusable disk directory, a payload of the wrong size, a store closed or busy
+    past its deadline. The message says which and what to do."""
+
+
 class AdmissionRejected(SplitserveError):
     """The cluster is over its budget and the admission queue is full (HTTP 429) or no
     worker can take the request at all (HTTP 503). Retry after `retry_after_s`."""
