@@ -10,7 +10,7 @@ import yaml
 
 from splitserve.bench.command import add_bench_args, bench_command
 from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, HttpConfig,
-                               RayConfig, SchedulerConfig, ServeConfig)
+                               KVStoreConfig, RayConfig, SchedulerConfig, ServeConfig)
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
@@ -147,6 +147,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     add_http_args(p)
     add_ray_args(p)
+    add_store_args(p)
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +169,39 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    "nodes as possible; spread: one per pool, across nodes")
     g.add_argument("--restart-backoff-s", type=float,
                    help="first wait before a dead worker is restarted; doubles up to 30 s (1)")
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    """The KV store's tiers below each worker's pool (KVStoreConfig; README "KV store")."""
+    g = p.add_argument_group("KV store: tiers below each worker's pool (all off by default)")
+    g.add_argument("--kv-host-bytes", type=parse_bytes, help="host memory tier per worker, "
+                   "e.g. 2GiB (0: off)")
+    g.add_argument("--kv-disk-dir", help="disk tier: worker files under <dir>/<role>-<index>")
+    g.add_argument("--kv-disk-bytes", type=parse_bytes, help="disk tier per worker (8GiB)")
+    g.add_argument("--kv-disk-admission", choices=["reused", "all"],
+                   help="reused: only blocks hit at least once go to disk (default)")
+    g.add_argument("--kv-tenant-quota-bytes", type=parse_bytes,
+                   help="each tenant's bytes in each tier of each worker (no quota)")
+    g.add_argument("--kv-disk-key-file", help="32-byte key (raw or hex) for the disk tier's "
+                   "encryption; default: a fresh key per start (disk blocks of an earlier "
+                   "frontend are unreadable)")
+    g.add_argument("--kv-peer-fetch", action=argparse.BooleanOptionalAction,
+                   help="fetch blocks that other workers' tiers hold (default on)")
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '512MiB', '2GiB', '1.5GB' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
+             "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12,
+             "tb": 10**12, "tib": 1 << 40}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        if unit not in units:
+            raise ValueError(unit)
+        return int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 512MiB, 2GiB)")
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -219,14 +253,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     deadlines = _group(values, "deadlines", DeadlineConfig)
     http = _group(values, "http", HttpConfig)
     ray = _group(values, "ray", RayConfig)
-    known = ServeConfig.__dataclass_fields__.keys() - {"deadlines", "http", "ray"}
+    store = _group(values, "store", KVStoreConfig)
+    known = ServeConfig.__dataclass_fields__.keys() - {"deadlines", "http", "ray", "store"}
     unknown = values.keys() - known
     if unknown:
         raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(known)}")
-    return ServeConfig(**values, deadlines=deadlines, http=http, ray=ray)
+    return ServeConfig(**values, deadlines=deadlines, http=http, ray=ray, store=store)
 
 
-Group = TypeVar("Group", DeadlineConfig, HttpConfig, RayConfig)
+Group = TypeVar("Group", DeadlineConfig, HttpConfig, RayConfig, KVStoreConfig)
 
 
 def _group(values: dict[str, Any], name: str, cls: type[Group]) -> Group:

@@ -162,6 +162,33 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """The KV store's tiers below each worker's engine pool (splitserve/store/, DESIGN 6).
+    Every tier is off by default; bytes are per worker."""
+    kv_host_bytes: int = 0  # host memory tier; 0: off
+    kv_disk_dir: str | None = None  # disk tier: each worker uses <dir>/<role>-<index>; None: off
+    kv_disk_bytes: int = 8 << 30
+    kv_disk_admission: str = "reused"  # "reused": only blocks hit at least once; "all"
+    kv_tenant_quota_bytes: int | None = None  # per tenant, in every tier; None: no quota
+    # 32-byte key (raw or hex) the disk tier's per-tenant keys derive from; None: a fresh
+    # key per frontend start (a restarted worker starts warm, a new frontend cold).
+    kv_disk_key_file: str | None = None
+    kv_peer_fetch: bool = True  # fetch blocks another worker's tiers hold
+
+    def __post_init__(self) -> None:
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes <= 0:
+            raise ValueError("kv_host_bytes must be >= 0 and kv_disk_bytes > 0")
+        if self.kv_disk_admission not in ("reused", "all"):
+            raise ValueError(f"kv_disk_admission={self.kv_disk_admission!r} must be reused|all")
+        if self.kv_tenant_quota_bytes is not None and self.kv_tenant_quota_bytes < 0:
+            raise ValueError("kv_tenant_quota_bytes must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_host_bytes > 0 or self.kv_disk_dir is not None
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """`splitserve serve`: the frontend, the router and the worker pools on one machine.
     Every key can come from a YAML file (same names, `-` or `_`) or a flag."""
@@ -213,6 +240,7 @@ class ServeConfig:
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    store: KVStoreConfig = field(default_factory=KVStoreConfig)
     log_level: str = "info"
     # On SIGTERM/Ctrl-C: stop accepting, let in-flight requests finish for this long.
     drain_timeout_s: float = 30.0

@@ -208,6 +208,15 @@ class ServerProcess:
         with urllib.request.urlopen(self._request(path, body), timeout=timeout_s) as r:
             return json.loads(r.read())
 
+    def delete_json(self, path: str, timeout_s: float = 30.0) -> Any:
+        import json
+        import urllib.request
+
+        request = self._request(path)
+        request.method = "DELETE"
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            return json.loads(r.read())
+
     def workers(self) -> list[dict[str, Any]]:
         """Every worker's id, role, health, incarnation, pid and requests (/admin/health;
         a checkout from before it listed them in /health)."""

@@ -14,6 +14,9 @@ without it, 403 on a server started without one):
                          stops for good; answers how many moved
     POST /admin/switch   {"worker": "prefill-0", "role": "decode"}: drained, then the same
                          process serves in the other pool under a new id
+    GET    /admin/tenants/{tenant}/cache  the tenant's KV bytes in each tier of each worker
+    DELETE /admin/tenants/{tenant}/cache  deletes its cached KV from every tier of every
+                         worker (bytes overwritten: secure deletion); what was removed
 
 Like the rest of the server, they bind to 127.0.0.1 unless told otherwise.
 """
@@ -22,11 +25,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.api.auth import MAX_TENANT_CHARS
 from splitserve.api.backend import Backend
 
 
@@ -118,6 +122,14 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
 
+    async def purge_tenant(tenant: str = Path(max_length=MAX_TENANT_CHARS)) -> dict[str, object]:
+        return await backend.purge_tenant(tenant)
+
+    async def tenant_cache(tenant: str = Path(max_length=MAX_TENANT_CHARS)) -> dict[str, object]:
+        return backend.tenant_cache(tenant)
+
+    app.add_api_route("/admin/tenants/{tenant}/cache", purge_tenant, methods=["DELETE"])
+    app.add_api_route("/admin/tenants/{tenant}/cache", tenant_cache, methods=["GET"])
     app.add_api_route("/admin/health", health, methods=["GET"])
     app.add_api_route("/admin/switch", switch_role, methods=["POST"])
     app.add_api_route("/admin/workers", add_worker, methods=["POST"])

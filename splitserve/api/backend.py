@@ -55,6 +55,15 @@ class Backend(Protocol):
         """Per live worker: its pool's invariant check and what it holds."""
         ...
 
+    async def purge_tenant(self, tenant: str) -> dict[str, object]:
+        """Deletes the tenant's cached KV from every tier of every worker (its bytes
+        overwritten); what was removed, by tier and by worker."""
+        ...
+
+    def tenant_cache(self, tenant: str) -> dict[str, object]:
+        """The tenant's cached KV bytes in the tiers below each worker's pool."""
+        ...
+
     async def add_worker(self, role: str) -> str:
         """Starts one more worker of `role` (prefill | decode | both); its id. ValueError
         for a role the cluster has no pool of."""

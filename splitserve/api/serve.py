@@ -71,6 +71,12 @@ class ClusterBackend:
     async def check_pools(self) -> dict[str, dict[str, object]]:
         return await self.dispatcher.admin.check_pools()
 
+    async def purge_tenant(self, tenant: str) -> dict[str, object]:
+        return await self.dispatcher.admin.purge_tenant(tenant)
+
+    def tenant_cache(self, tenant: str) -> dict[str, object]:
+        return self.dispatcher.metrics.tiers.tenant_usage(tenant)
+
 
 class _Server(uvicorn.Server):
     """uvicorn, minus its signal handling: uvicorn re-raises SIGTERM/SIGINT after its own

@@ -28,7 +28,7 @@ from zmq.utils import z85
 
 ZAP_DOMAIN = "splitserve"
 KEY_LEN = 40  # a Curve25519 key (32 bytes) as Z85 text
-_MAGIC = b"splitserve-curve/1"
+_MAGIC = b"splitserve-curve/2"
 
 # The largest control message either side accepts (ZMQ_MAXMSGSIZE, per frame); a peer
 # that sends more is disconnected by ZeroMQ before the frame is buffered. Sized from the
@@ -68,6 +68,9 @@ class ServerKeys:
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
 
 
+STORE_KEY_BYTES = 32
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSecret:
     """What one worker incarnation needs to join: the frontend's public key (so it talks
@@ -76,29 +79,40 @@ class WorkerSecret:
     server_public: bytes
     client_public: bytes
     client_secret: bytes = field(repr=False)
+    # The cluster's KV store key (the disk tier's per-tenant keys derive from it); empty:
+    # no disk tier. The same for every worker of one frontend start (or key file).
+    store_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         _check_key("server_public", self.server_public)
         _check_key("client_public", self.client_public)
         _check_key("client_secret", self.client_secret)
+        if self.store_key and len(self.store_key) != STORE_KEY_BYTES:
+            raise ValueError(f"store_key must be {STORE_KEY_BYTES} bytes")
 
     @staticmethod
-    def generate(server_public: bytes) -> WorkerSecret:
+    def generate(server_public: bytes, store_key: bytes = b"") -> WorkerSecret:
         public, secret = zmq.curve_keypair()
-        return WorkerSecret(server_public, public, secret)
+        return WorkerSecret(server_public, public, secret, store_key)
 
     def to_bytes(self) -> bytes:
         return b"\n".join((_MAGIC, self.server_public, self.client_public,
-                           self.client_secret)) + b"\n"
+                           self.client_secret, self.store_key.hex().encode())) + b"\n"
 
     @staticmethod
     def from_bytes(data: bytes) -> WorkerSecret:
-        lines = data.strip().split(b"\n")
-        if len(lines) != 4 or lines[0] != _MAGIC:
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # the final newline
+        if len(lines) != 5 or lines[0] != _MAGIC:
             raise ValueError("no control-plane secret: a worker reads one from its runtime "
                              "(LocalRuntime writes it to stdin); start workers with "
                              "`splitserve serve`, not by hand")
-        return WorkerSecret(lines[1], lines[2], lines[3])
+        try:
+            store_key = bytes.fromhex(lines[4].decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError("the control-plane secret's store key is not hex") from None
+        return WorkerSecret(lines[1], lines[2], lines[3], store_key)
 
     def connect(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
         """Makes `sock` a CURVE client of the frontend (before it connects)."""

@@ -11,10 +11,12 @@ import logging
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
+from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
 from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
@@ -25,7 +27,7 @@ from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostMod
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime, split_cores
 from splitserve.cluster.worker.spec import WorkerSpec
-from splitserve.config import ServeConfig
+from splitserve.config import KVStoreConfig, ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,44 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=pool_cores[index] or None,
                                     kv_transport=config.kv_transport,
-                                    fault_injection=config.enable_fault_injection))
+                                    fault_injection=config.enable_fault_injection,
+                                    store=store_options(config.store, f"{role.value}-{index}")))
     return specs
+
+
+def store_options(config: KVStoreConfig, worker_id: str) -> dict[str, Any]:
+    """The worker's StoreConfig keys (store/config.py): its own disk directory under
+    `kv_disk_dir`, which a restarted worker of the same id finds again (starts warm)."""
+    if not config.enabled:
+        return {}
+    options: dict[str, Any] = {"host_bytes": config.kv_host_bytes,
+                               "disk_admission": config.kv_disk_admission,
+                               "tenant_quota_bytes": config.kv_tenant_quota_bytes,
+                               "peer_fetch": config.kv_peer_fetch}
+    if config.kv_disk_dir is not None:
+        options.update(disk_dir=os.path.join(config.kv_disk_dir, worker_id),
+                       disk_bytes=config.kv_disk_bytes)
+    return options
+
+
+def store_key(config: KVStoreConfig) -> bytes:
+    """The key every worker's disk tier derives its tenants' keys from: the key file's
+    (32 bytes, raw or hex), else a fresh one (disk blocks of earlier starts unreadable)."""
+    if config.kv_disk_dir is None:
+        return b""
+    if config.kv_disk_key_file is None:
+        return os.urandom(STORE_KEY_BYTES)
+    with open(config.kv_disk_key_file, "rb") as f:
+        data = f.read(4 * STORE_KEY_BYTES + 2)
+    if len(data.strip()) == 2 * STORE_KEY_BYTES:
+        try:
+            return bytes.fromhex(data.strip().decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    if len(data) == STORE_KEY_BYTES:
+        return data
+    raise ValueError(f"{config.kv_disk_key_file} must hold a {STORE_KEY_BYTES}-byte key, raw "
+                     f"or as {2 * STORE_KEY_BYTES} hex digits (e.g. `openssl rand -hex 32`)")
 
 
 def restart_delay(base_s: float, failures: int) -> float:
@@ -103,6 +141,7 @@ class Cluster:
             slo_ttft_s=cfg.slo_ttft_ms / 1000 if cfg.slo_ttft_ms else None,
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
             control_host=self.runtime.control_host, reject_early=cfg.admission == "reject")
+        dispatcher.link.store_key = store_key(cfg.store)
         dispatcher.start()
         specs = [self.runtime.worker_spec(s) for s in worker_specs(cfg, dispatcher.address)]
         try:
@@ -293,7 +332,8 @@ class Cluster:
                              f"{self.config.mode})")
         template = same[0] if same else self.handles[0].spec  # engine args are the pool's
         index = 1 + max((s.index for s in same), default=-1)
-        spec = replace(template, role=role, index=index, epoch=1)
+        spec = replace(template, role=role, index=index, epoch=1,
+                       store=store_options(self.config.store, f"{role.value}-{index}"))
         spec = replace(spec, epoch=self._next_epoch(spec.worker_id, 1))
         self._load_times.started(spec.identity, time.monotonic())
         self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(

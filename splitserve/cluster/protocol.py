@@ -342,6 +342,7 @@ class LoadReport:
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, cumulative
     num_prompt_tokens: int = 0  # prompt tokens admitted, cumulative
     kv_listener: KVListenerStats | None = None  # workers that receive KV
+    tiers: list[TierUsage] = field(default_factory=list)  # the store below its pool
 
 
 @dataclass(slots=True)
@@ -382,11 +383,52 @@ class SwitchRole:
     secret: bytes  # auth.WorkerSecret.to_bytes()
 
 
+@dataclass(slots=True)
+class PurgeTenant:
+    """Delete the tenant's cached blocks from every tier (wiped), answer TenantPurged."""
+    round: int
+    tenant: str | None
+
+
+@dataclass(slots=True)
+class TierCount:
+    """One tier's share of an answer: blocks and payload bytes ("device" is the pool)."""
+    tier: str
+    blocks: int
+    bytes: int
+
+
+@dataclass(slots=True)
+class TenantPurged:
+    round: int  # the PurgeTenant's
+    removed: list[TierCount]
+    error: str | None  # a tier that could not finish in time (the rest was purged)
+
+
+@dataclass(slots=True)
+class TierUsage:
+    """A tier below a worker's pool (store/): current use and cumulative counts."""
+    tier: str  # "host" | "disk"
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int  # blocks brought up into the pool (a hit that served a request)
+    misses: int
+    evictions: int
+    corrupt: int  # disk files that failed their checks (recomputed instead)
+    bytes_read: int
+    bytes_written: int
+    load_seconds: float
+    store_seconds: float
+    refusals: list[TierCount]  # by reason, in `tier` (quota, busy, not_admitted, ...)
+    tenants: list[TierCount]  # bytes in use per tenant, in `tier` ("" = no tenant)
+
+
 # New messages go last: a message's tag is its place in this union.
 Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdown
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
-           | PoolReport | Migrate | Detached | SwitchRole)
+           | PoolReport | Migrate | Detached | SwitchRole | PurgeTenant | TenantPurged)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

@@ -133,6 +133,11 @@ class LLMEngine(KVConnector):
     def num_blocks(self) -> int:
         return self.kv.pool.num_blocks
 
+    @property
+    def tier_block_bytes(self) -> int:
+        """One block's KV in every layer: what a tier below the pool keeps per block."""
+        return self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     *, namespace: str | None = None, hold_kv: bool = False,

@@ -56,9 +56,14 @@ def test_a_worker_secret_round_trips_and_never_shows_its_key() -> None:
     secret = WorkerSecret.generate(ServerKeys.generate().public)
     assert WorkerSecret.from_bytes(secret.to_bytes()) == secret
     assert secret.client_secret.decode() not in repr(secret)
+    with_store = WorkerSecret.generate(ServerKeys.generate().public, bytes(range(32)))
+    assert WorkerSecret.from_bytes(with_store.to_bytes()) == with_store
+    assert bytes(range(32)).hex() not in repr(with_store) and "store_key" not in repr(with_store)
     assert ServerKeys.generate().secret.decode() not in repr(ServerKeys.generate())
     for bad in (b"", b"--spec", secret.to_bytes()[:-8],
-                secret.to_bytes().replace(b"splitserve-curve/1", b"other/1"),
+                secret.to_bytes().replace(b"splitserve-curve/2", b"other/1"),
+                with_store.to_bytes().replace(bytes(range(32)).hex().encode(), b"zz" * 32),
+                with_store.to_bytes().replace(bytes(range(32)).hex().encode(), b"ab"),
                 secret.to_bytes().replace(secret.client_secret[:5], b"\x00\x01\x02\x03\x04")):
         with pytest.raises(ValueError):
             WorkerSecret.from_bytes(bad)

@@ -32,8 +32,8 @@ def test_concurrent_checks_share_one_round_and_all_get_every_answer() -> None:
         calls = [asyncio.create_task(admin.check_pools(timeout_s=5.0)) for _ in range(3)]
         await asyncio.sleep(0.01)
         assert sorted(i for i, _ in link.sent) == [b"decode-0", b"prefill-0"], "asked once"
-        admin.on_pool_report(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
-        admin.on_pool_report(b"prefill-0", P.PoolReport(admin._round, False, "leak", 3, 1))
+        admin.on_answer(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
+        admin.on_answer(b"prefill-0", P.PoolReport(admin._round, False, "leak", 3, 1))
         results = await asyncio.gather(*calls)
         expected = {"decode-0": {"ok": True, "error": None, "used_blocks": 0, "requests": 0},
                     "prefill-0": {"ok": False, "error": "leak", "used_blocks": 3, "requests": 1}}
@@ -44,7 +44,7 @@ def test_concurrent_checks_share_one_round_and_all_get_every_answer() -> None:
         again = asyncio.create_task(admin.check_pools(timeout_s=0.05))
         await asyncio.sleep(0.01)
         assert len(link.sent) == 4
-        admin.on_pool_report(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
+        admin.on_answer(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
         out = await again
         assert out["decode-0"]["ok"] and "no answer" in str(out["prefill-0"]["error"])
     asyncio.run(main())
@@ -58,7 +58,7 @@ def test_a_caller_that_leaves_does_not_end_the_round_for_the_others() -> None:
         await asyncio.sleep(0.01)
         first.cancel()
         await asyncio.sleep(0.01)
-        admin.on_pool_report(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
+        admin.on_answer(b"decode-0", P.PoolReport(admin._round, True, None, 0, 0))
         assert (await second)["decode-0"]["ok"] is True
     asyncio.run(main())
 
@@ -77,7 +77,7 @@ def test_a_late_answer_never_counts_for_a_later_round() -> None:
         late = P.PoolReport(link.sent[0][1].round, True, None, 0, 0)  # type: ignore[attr-defined]
         second = asyncio.create_task(admin.check_pools(timeout_s=0.1))
         await asyncio.sleep(0.01)
-        admin.on_pool_report(b"decode-0", late)  # round 1's answer, in round 2
+        admin.on_answer(b"decode-0", late)  # round 1's answer, in round 2
         assert "no answer" in str((await second)["decode-0"]["error"])
         assert [m.round for _, m in link.sent] == [1, 2]  # type: ignore[attr-defined]
     asyncio.run(main())

@@ -42,10 +42,15 @@ MESSAGES: list[P.Message] = [
     P.KVSnapshot(4, [H1, H2]),
     P.LoadReport(1, 2, 30, 0, 10, 100, [P.StepTiming(16, 0, 0.01), P.StepTiming(0, 2, 0.02)],
                  5, 50),
+    P.LoadReport(0, 0, 0, 0, 0, 100, tiers=[P.TierUsage(
+        "disk", 1 << 30, 368640, 1, 2, 3, 0, 1, 737280, 368640, 0.01, 0.02,
+        [P.TierCount("quota", 1, 0)], [P.TierCount("acme", 1, 368640)])]),
     P.TransferReport(TELEMETRY),
     P.Migrate("r1", "ns", 30.0), P.Migrate("r1", None, 5.0),
     P.Detached("r1", True, None), P.Detached("r1", False, "not decoding"),
     P.SwitchRole(P.Role.DECODE, 2, 3, b"key"),
+    P.PurgeTenant(4, "acme"),
+    P.TenantPurged(4, [P.TierCount("host", 3, 1105920)], None),
 ]
 TAG = {type(m): msgpack.unpackb(P.encode(m))[0] for m in MESSAGES}
 
@@ -98,8 +103,8 @@ def _params(**changes: object) -> list[object]:
     (_frame(P.WorkerReady, "w", "wizard", 1, "f", 16, 1, 1, 1, None, 1), "not a Role"),
     (_frame(P.KVEventBatch, 1, [[7]]), "record tag"),
     (_frame(P.KVEventBatch, 1, [[0, ["x"], None]]), r"events\[0\]<BlockStored>.block_hashes"),
-    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [[1, 2]], 0, 0, None), r"steps\[0\]: StepTiming takes"),
-    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [], 0, 0, [0, 0, 1, 2, 3, "x", 5, 6]),
+    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [[1, 2]], 0, 0, None, []), r"steps\[0\]: StepTiming takes"),
+    (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [], 0, 0, [0, 0, 1, 2, 3, "x", 5, 6], []),
      r"kv_listener<KVListenerStats>.timed_out: expected int"),
     (_frame(P.Output, "r", 0, [1], 0, "", 0, [[1, None, [[1]]]], False, None, None, 1, 0),
      r"top_logprobs\[0\]: expected 2 items"),

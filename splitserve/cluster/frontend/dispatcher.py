@@ -324,8 +324,8 @@ class Dispatcher:
         elif isinstance(msg, P.TransferReport):
             self.metrics.observe_transfer(msg.telemetry, recomputes=self.retry.kv_failure_policy
                                           is KVFailurePolicy.RECOMPUTE)
-        elif isinstance(msg, P.PoolReport):
-            self.admin.on_pool_report(identity, msg)
+        elif isinstance(msg, (P.PoolReport, P.TenantPurged)):
+            self.admin.on_answer(identity, msg)
         elif isinstance(msg, P.Detached):
             self.migrations.on_detached(worker, msg)
         else:  # counted by the link as refused

@@ -58,6 +58,7 @@ class WorkerLink:
         self.metrics = metrics
         self.on_lost: Callable[[LostSend], None] | None = None
         self.keys = KeyRing()
+        self.store_key = b""  # handed to every worker it enrolls (WorkerSecret.store_key)
         self._server = ServerKeys.generate()
         self.ctx = zmq.asyncio.Context()
         # NOTE: the ZAP handler must be up before the socket binds; without one, libzmq
@@ -86,7 +87,7 @@ class WorkerLink:
     # -- who may connect ------------------------------------------------------------------------
     def enroll(self, identity: bytes) -> WorkerSecret:
         """A fresh keypair for one worker incarnation, registered as `identity`."""
-        secret = WorkerSecret.generate(self._server.public)
+        secret = WorkerSecret.generate(self._server.public, self.store_key)
         self.allow(identity, secret.client_public)
         return secret
 

@@ -14,7 +14,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 from splitserve.cluster.frontend.flight import Flight
-from splitserve.cluster.protocol import LoadReport, StepTiming
+from splitserve.cluster.protocol import LoadReport, StepTiming, TierUsage
 from splitserve.errors import KVImportError, KVTransferError
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 
@@ -101,6 +101,7 @@ class Metrics:
                                           "header refused), forged (of which not authentic)",
                                           ["worker", "reason"],
                                           registry=r)
+        self.tiers = TierMetrics(r)
         self.kv_blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks in use",
                                     ["worker"], registry=r)
         self.kv_blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks in the pool",
@@ -215,6 +216,7 @@ class Metrics:
         self.waiting.labels(worker).set(msg.num_waiting)
         _advance(self.prefix_hit_tokens.labels(worker, "device"), msg.num_prefix_hit_tokens)
         _advance(self.prefix_query_tokens.labels(worker), msg.num_prompt_tokens)
+        self.tiers.observe(worker, msg.tiers)
         if (kv := msg.kv_listener) is not None:
             self.kv_listener_held.labels(worker).set(kv.held)
             for reason in ("evicted", "refused", "timed_out", "rejected", "forged"):
@@ -249,6 +251,64 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TierMetrics:
+    """The KV store's tiers below each worker's pool (LoadReport.tiers). Per-tenant use is
+    not here (/metrics is open): /admin/tenants/{tenant}/cache has it."""
+    def __init__(self, r: CollectorRegistry) -> None:
+        labels = ["worker", "tier"]
+        self.latest: dict[str, list[TierUsage]] = {}  # worker -> its last report
+        self.capacity = Gauge("splitserve_kv_tier_capacity_bytes", "Tier size", labels,
+                              registry=r)
+        self.used = Gauge("splitserve_kv_tier_used_bytes", "KV bytes held", labels, registry=r)
+        self.blocks = Gauge("splitserve_kv_tier_blocks", "KV blocks held", labels, registry=r)
+        self.hits = Counter("splitserve_kv_tier_hits", "Blocks brought up into the engine "
+                            "pool from this tier", labels, registry=r)
+        self.misses = Counter("splitserve_kv_tier_misses", "Lookups that found nothing "
+                              "usable (corrupt files included)", labels, registry=r)
+        self.read = Counter("splitserve_kv_tier_read_bytes", "Bytes loaded", labels,
+                            registry=r)
+        self.written = Counter("splitserve_kv_tier_written_bytes", "Bytes stored", labels,
+                               registry=r)
+        self.load_s = Counter("splitserve_kv_tier_load_seconds", "Time spent loading",
+                              labels, registry=r)
+        self.store_s = Counter("splitserve_kv_tier_store_seconds", "Time spent storing "
+                               "(offload, write-back)", labels, registry=r)
+        self.evictions = Counter("splitserve_kv_tier_evictions", "Blocks pushed out for "
+                                 "room (capacity or a tenant's quota)", labels, registry=r)
+        self.corrupt = Counter("splitserve_kv_tier_corrupt", "Files that failed their "
+                               "checksum, key or fingerprint check (recomputed)", labels,
+                               registry=r)
+        self.refusals = Counter("splitserve_kv_tier_refusals", "Blocks a tier did not take, "
+                                "by reason (quota, busy, not_admitted, too_big, io_error)",
+                                [*labels, "reason"], registry=r)
+
+    def observe(self, worker: str, tiers: list[TierUsage]) -> None:
+        self.latest[worker] = tiers
+        for t in tiers:
+            key = (worker, t.tier)
+            self.capacity.labels(*key).set(t.capacity_bytes)
+            self.used.labels(*key).set(t.used_bytes)
+            self.blocks.labels(*key).set(t.blocks)
+            for counter, value in ((self.hits, t.hits), (self.misses, t.misses),
+                                   (self.read, t.bytes_read), (self.written, t.bytes_written),
+                                   (self.load_s, t.load_seconds),
+                                   (self.store_s, t.store_seconds),
+                                   (self.evictions, t.evictions), (self.corrupt, t.corrupt)):
+                _advance(counter.labels(*key), value)
+            for refusal in t.refusals:
+                _advance(self.refusals.labels(*key, refusal.tier), refusal.blocks)
+
+    def tenant_usage(self, tenant: str) -> dict[str, object]:
+        """The tenant's bytes in each tier of each worker, as last reported."""
+        workers = {worker: {t.tier: next((c.bytes for c in t.tenants if c.tier == tenant), 0)
+                            for t in tiers} for worker, tiers in self.latest.items() if tiers}
+        totals: dict[str, int] = {}
+        for by_tier in workers.values():
+            for tier, used in by_tier.items():
+                totals[tier] = totals.get(tier, 0) + used
+        return {"tenant": tenant, "bytes": totals, "workers": workers}
 
 
 def _advance(counter: Any, value: float) -> None:

@@ -40,14 +40,16 @@ class Reports:
     def is_due(self) -> bool:
         return time.monotonic() >= self.next_report
 
-    def load_report(self, engine: LLMEngine, receiver: KVReceiver | None) -> P.LoadReport:
+    def load_report(self, engine: LLMEngine, receiver: KVReceiver | None,
+                    tiers: list[P.TierUsage]) -> P.LoadReport:
         load = engine.load()
         report = P.LoadReport(
             num_running=load.num_running, num_waiting=load.num_waiting,
             num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
             kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
             steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
-            num_prompt_tokens=self.num_prompt_tokens, kv_listener=_listener_stats(receiver))
+            num_prompt_tokens=self.num_prompt_tokens, kv_listener=_listener_stats(receiver),
+            tiers=tiers)
         self.steps = []
         self.next_report = time.monotonic() + self.interval_s
         return report

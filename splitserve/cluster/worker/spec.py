@@ -30,6 +30,9 @@ class WorkerSpec:
     # A send the frontend has not taken in this long (it is gone or stuck, and ZeroMQ's
     # queue is full) ends the worker instead of blocking its engine thread for good.
     send_timeout_s: float = 30.0
+    # Tiers below the engine pool: store.config.StoreConfig's keys, its disk directory
+    # this worker's own (the launcher names it); empty: no store.
+    store: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError for an unknown one

@@ -27,6 +27,7 @@ from splitserve.cluster.worker.faults import FaultInjector
 from splitserve.cluster.worker.handoff import Handoffs
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.cluster.worker.stream import OutputStream
+from splitserve.cluster.worker.tiers import WorkerStore
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.output import RequestOutput
@@ -48,6 +49,7 @@ class Worker:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
+        self.store = WorkerStore.build(self.engine, spec.store, secret.store_key)
         # Every role sends KV: prefill workers their prefills, decode workers the running
         # sequences they hand over (live migration, Migrate).
         self.sender = KVSender(self.engine)
@@ -81,7 +83,8 @@ class Worker:
                 self._output(out)
             self._publish_events()
             if self.reports.is_due():
-                self._send(self.reports.load_report(engine, self.receiver))
+                self._send(self.reports.load_report(
+                    engine, self.receiver, self.store.usage() if self.store else []))
                 if os.getppid() != parent:  # the frontend died without stopping us
                     logger.warning("parent process is gone; exiting")
                     break
@@ -221,6 +224,15 @@ class Worker:
             logger.warning("fault armed: %s", msg.spec)
         elif isinstance(msg, P.CheckPool):
             self._check_pool(msg.round)
+        elif isinstance(msg, P.PurgeTenant):
+            self._purge(msg)
+
+    def _purge(self, msg: P.PurgeTenant) -> None:
+        """The tenant's blocks leave every tier, the pool's free ones zeroed first."""
+        num = self.engine.purge_tenant(msg.tenant)
+        removed = [P.TierCount("device", num, num * self.engine.tier_block_bytes)]
+        below, error = self.store.purge(msg.tenant) if self.store else ([], None)
+        self._send(P.TenantPurged(msg.round, removed + below, error))
 
     def _check_pool(self, round_: int) -> None:
         error = None
@@ -431,6 +443,8 @@ class Worker:
         self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
+        if self.store is not None:
+            self.store.close()
         self.engine.check_invariants()
         assert self.engine.load().kv_blocks_used == 0, "blocks leaked at shutdown"
         self.member.close()

@@ -1,0 +1,124 @@
+"""The KV store below a worker's pool, as users run it (`splitserve serve --kv-host-bytes
+... --kv-disk-dir ...`, the openai client, bf16): a prefix evicted from the pool comes back
+from the host tier, then from disk once the host tier evicted it, then from disk after the
+worker was killed and restarted; a corrupted disk block is recomputed; each time the text
+is the cold run's and `cached_tokens` says what was reused. Another tenant never hits
+the first's blocks; quotas hold; a purge empties every tier of the tenant."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M, bf16, 16-token blocks
+PROMPT_TOKENS = 160  # 10 blocks; 9 can be hit (one token is always computed)
+HIT_TOKENS = 144
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 40000 + 100 for i in range(PROMPT_TOKENS)]
+
+
+def _tier_counter(server: Any, name: str, tier: str) -> float:
+    """splitserve_kv_tier_<name>_total of `tier`, over every worker."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
+               if line.startswith(f"splitserve_kv_tier_{name}_total{{") and f'tier="{tier}"' in line)
+
+
+def _wait_counter(server: Any, name: str, tier: str, at_least: float) -> float:
+    """The counter once it reached `at_least` (load reports come every 0.1 s)."""
+    deadline = time.monotonic() + 5.0
+    while (value := _tier_counter(server, name, tier)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
+def _wait_restarted(server: Any, old_pid: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = server.workers()
+        if workers and all(w["healthy"] and w["pid"] != old_pid for w in workers):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the worker was not restarted: {server.log()}")
+
+
+def test_blocks_come_back_from_host_then_disk_then_after_a_restart(
+        start_server: Any, tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    quota = 60 * BLOCK_BYTES  # binds on disk (200 blocks), not in the 48-block host tier
+    server = start_server(
+        "--mode", "agg", "--decode", "1", "--max-model-len", "384",
+        "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
+        "--kv-host-bytes", str(48 * BLOCK_BYTES), "--kv-disk-dir", str(disk),
+        "--kv-disk-bytes", str(200 * BLOCK_BYTES), "--kv-disk-admission", "all",
+        "--kv-tenant-quota-bytes", str(quota), "--enable-prompt-tokens-details",
+        "--enable-fault-injection")  # a worker is killed on purpose below
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def run(prompt: list[int], tenant: str) -> tuple[str, int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Tenant": tenant})
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+
+    def churn(first: int, n: int) -> None:
+        """Other prompts of another tenant, enough to push earlier blocks down a tier."""
+        for seed in range(first, first + n):
+            run(_prompt(seed), "filler")
+
+    a, b = _prompt(1), _prompt(2)
+    cold_a, cached = run(a, "alice")
+    assert cached == 0
+    cold_b, _ = run(b, "alice")
+
+    churn(100, 4)  # a and b leave the 24-block pool for the 48-block host tier
+    assert run(a, "alice") == (cold_a, HIT_TOKENS)
+    assert _wait_counter(server, "hits", "host", 9) == 9
+
+    churn(200, 8)  # ~80 more blocks through the host tier: a and b are on disk only
+    host_hits = _tier_counter(server, "hits", "host")
+    assert run(a, "alice") == (cold_a, HIT_TOKENS)
+    assert _wait_counter(server, "hits", "disk", 9) == 9
+    assert _tier_counter(server, "hits", "host") == host_hits
+
+    # Another tenant sends a's prompt: no tier gives it a's blocks.
+    assert run(a, "bob") == (cold_a, 0)
+
+    # Quotas held in every tier (the filler tenant wrote the most).
+    usage = server.get_json("/admin/tenants/filler/cache")
+    assert usage["bytes"]["disk"] > 0
+    assert all(0 < used <= quota for used in usage["bytes"].values()), usage
+
+    # Restart: the worker comes back with an empty pool and host tier; its disk tier is
+    # rebuilt from the directory, so a is served warm from disk.
+    pid = server.worker_pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    _wait_restarted(server, pid)
+    assert run(a, "alice") == (cold_a, HIT_TOKENS)
+
+    # A corrupted disk block is detected (its authentication fails) and recomputed: flip a
+    # payload byte of every block file, then b (only on disk) is computed again, exactly.
+    files = [p for p in disk.rglob("*") if p.is_file() and p.stat().st_size > BLOCK_BYTES]
+    assert files, list(disk.rglob("*"))
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    assert run(b, "alice") == (cold_b, 0)
+    assert _wait_counter(server, "corrupt", "disk", 1) >= 1
+
+    # Purge: alice's blocks leave every tier of every worker; nothing of hers is reused.
+    purged = server.delete_json("/admin/tenants/alice/cache")
+    assert sum(t["blocks"] for t in purged["removed"].values()) > 0, purged
+    time.sleep(1.0)  # the next load report carries the tiers' use after the purge
+    usage = server.get_json("/admin/tenants/alice/cache")
+    assert not any(usage["bytes"].values()), usage
+    assert run(a, "alice") == (cold_a, 0)
+    assert server.get_json("/admin/pools")["workers"]["both-0"]["ok"]
