@@ -16,12 +16,17 @@
 
 Everything before the payload is authenticated with it: a file renamed to another hash,
 moved under another tenant or model, cut short or with any flipped byte does not open.
+Also here: writing a file, and wiping one (secure deletion).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import logging
+import os
 import struct
+from pathlib import Path
 from typing import NamedTuple
 
 from splitserve.kv_cache.block_hash import BlockHash
@@ -29,12 +34,15 @@ from splitserve.kv_cache.block_hash import BlockHash
 from .block import BlockKey
 from .crypto import GCM_TAG_BYTES, MAX_TENANT_BYTES, DiskCrypto, name_box_bytes, new_nonce
 
+logger = logging.getLogger(__name__)
+
 MAGIC = b"SSKVBLK\x00"
 VERSION = 1
 _FLAG_PARENT = 1
 _FIXED = struct.Struct("<8sHH16s16s16s16sI12sH")
 _NO_PARENT = bytes(16)
 MAX_HEAD_BYTES = _FIXED.size + name_box_bytes("x" * MAX_TENANT_BYTES)
+_ZEROS = bytes(1 << 20)
 
 
 def fingerprint_digest(fingerprint: str) -> bytes:
@@ -115,3 +123,43 @@ def open_block(data: bytes, crypto: DiskCrypto, fp_digest: bytes, key: BlockKey,
     body = _FIXED.size + header.box_len
     return crypto.open(key.tenant_id, header.nonce, memoryview(data)[body:],
                        memoryview(data)[:body])
+
+
+def write_file(path: Path, parts: list[bytes], fsync: bool) -> None:
+    """Creates `path` (owner-only, never an existing file) holding `parts`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def wipe_file(path: Path) -> None:
+    """Secure deletion: overwrite the file with zeros, flush them to the device (else the
+    file system may drop the dirty pages with the unlinked inode and the old bytes stay on
+    disk), then unlink. On copy-on-write file systems and SSDs old sectors may survive an
+    overwrite anyway: that is why the files are also encrypted."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            remaining = os.fstat(fd).st_size
+            while remaining > 0:
+                remaining -= os.write(fd, _ZEROS[:min(remaining, len(_ZEROS))])
+            os.fsync(fd)
+    except OSError as exc:
+        logger.warning("disk tier: wiping %s failed (%s); unlinking it", path.name, exc)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -48,7 +48,6 @@ SUFFIX = ".kvb"
 _TEMP_PREFIX = ".tmp-"
 _DOOMED_PREFIX = ".del-"
 _LOCK_NAME = ".lock"
-_ZEROS = bytes(1 << 20)
 
 
 class DiskTier:
@@ -97,11 +96,12 @@ class DiskTier:
         start = time.perf_counter()
         temp = self.directory / f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
-            self._write(temp, blockfile.seal_block(self._crypto, self._fp_digest, key, view))
+            blockfile.write_file(temp, blockfile.seal_block(self._crypto, self._fp_digest, key, view),
+                                 self.fsync)
         except OSError as exc:
             logger.warning("disk tier: writing block %s failed (%s); not kept",
                            key.block_hash.hex(), exc)
-            self._wipe(temp)
+            blockfile.wipe_file(temp)
             return self.note_refusal(RefusalReason.IO_ERROR)
         doomed: list[Path] = [temp]
         try:
@@ -132,7 +132,7 @@ class DiskTier:
                 return PutResult(PutOutcome.STORED, evicted=evicted)
         finally:
             for path in doomed:
-                self._wipe(path)
+                blockfile.wipe_file(path)
 
     def get(self, block_hash: BlockHash, tenant: str | None) -> bytes | None:
         """The tenant's block, read and authenticated, or None (absent, another tenant's,
@@ -177,7 +177,7 @@ class DiskTier:
                 stats.load_seconds += time.perf_counter() - start
                 return entry.key, payload
         logger.warning("disk tier: block file %s failed its checks; removed", entry.loc)
-        self._wipe(bad)
+        blockfile.wipe_file(bad)
         return None
 
     def contains(self, block_hash: BlockHash, tenant: str | None) -> bool:
@@ -191,7 +191,7 @@ class DiskTier:
             entries = self._ledger.entries_with_hash(block_hash)
             doomed = [self._doom(self._ledger.pop(e.entry_id, evicted=False)) for e in entries]
         for path in doomed:
-            self._wipe(path)
+            blockfile.wipe_file(path)
         return bool(entries)
 
     def purge_tenant(self, tenant: str | None) -> PurgeReport:
@@ -200,7 +200,7 @@ class DiskTier:
             entries = self._ledger.entries(tenant_id(tenant))
             doomed = [self._doom(self._ledger.pop(e.entry_id, evicted=False)) for e in entries]
         for path in doomed:
-            self._wipe(path)
+            blockfile.wipe_file(path)
         return PurgeReport(len(entries), len(entries) * self.block_bytes)
 
     def hashes(self, tenant: str | None | AllTenants = ALL_TENANTS) -> list[BlockHash]:
@@ -208,6 +208,12 @@ class DiskTier:
         with self._lock:
             selected = None if isinstance(tenant, AllTenants) else tenant_id(tenant)
             return [e.key.block_hash for e in self._ledger.entries(selected)]
+
+    def path_of(self, block_hash: BlockHash, tenant: str | None) -> Path | None:
+        """The tenant's file of the block, if indexed (for audits and tests)."""
+        with self._lock:
+            entry = self._ledger.find(tenant_id(tenant), block_hash)
+            return None if entry is None else self.directory / entry.loc
 
     def keys(self) -> list[BlockKey]:
         with self._lock:
@@ -296,12 +302,12 @@ class DiskTier:
         for path in self.directory.iterdir():
             name = path.name
             if name.startswith((_TEMP_PREFIX, _DOOMED_PREFIX)):
-                self._wipe(path)  # a write or a deletion cut short by a crash
+                blockfile.wipe_file(path)  # a write or a deletion cut short by a crash
             elif name.endswith(SUFFIX):
                 key = self._read_key(path)
                 if key is None:
                     self._ledger.stats.corrupt += 1
-                    self._wipe(path)
+                    blockfile.wipe_file(path)
                 else:
                     found.append((path.stat().st_mtime_ns, name, key))
         found.sort(key=lambda item: (item[0], item[1]))
@@ -309,10 +315,10 @@ class DiskTier:
             self._last_stamp = max(self._last_stamp, mtime_ns)
             victims = self._ledger.plan_room(key.tenant_id)  # capacity or quota shrank
             if isinstance(victims, RefusalReason):
-                self._wipe(self.directory / name)
+                blockfile.wipe_file(self.directory / name)
                 continue
             for victim in victims:
-                self._wipe(self._doom(self._ledger.pop(victim.entry_id, evicted=True)))
+                blockfile.wipe_file(self._doom(self._ledger.pop(victim.entry_id, evicted=True)))
             self._ledger.insert(key, name)
 
     def _read_key(self, path: Path) -> BlockKey | None:
@@ -333,18 +339,6 @@ class DiskTier:
     def _file_name(block_hash: BlockHash, tag: bytes) -> str:
         return f"{block_hash.hex()}-{tag.hex()}{SUFFIX}"
 
-    def _write(self, path: Path, parts: list[bytes]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(fd, view):]
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _stamp(self, name: str) -> None:
         """Sets the file's mtime from a strictly increasing clock (the file system's is
         coarse: ties would scramble the LRU order a restart rebuilds). Under the lock."""
@@ -364,29 +358,3 @@ class DiskTier:
             logger.warning("disk tier: cannot rename %s for deletion (%s)", entry.loc, exc)
             return self.directory / entry.loc
         return doomed
-
-    @staticmethod
-    def _wipe(path: Path) -> None:
-        """Secure deletion: overwrite the file with zeros, flush them to the device (else
-        the file system may drop the dirty pages with the unlinked file and the old bytes
-        stay on disk), then unlink. On copy-on-write file systems and SSDs the old blocks
-        may survive anyway: that is why files are also encrypted."""
-        try:
-            fd = os.open(path, os.O_WRONLY)
-        except FileNotFoundError:
-            return
-        except OSError:
-            fd = -1
-        try:
-            if fd >= 0:
-                remaining = os.fstat(fd).st_size
-                while remaining > 0:
-                    remaining -= os.write(fd, _ZEROS[:min(remaining, len(_ZEROS))])
-                os.fsync(fd)
-        except OSError as exc:
-            logger.warning("disk tier: wiping %s failed (%s); unlinking it", path.name, exc)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()

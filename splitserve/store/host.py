@@ -155,11 +155,14 @@ class HostTier:
         return self._arena.data.toreadonly()
 
     def check_invariants(self) -> None:
+        """Accounting holds, no slot is lost or shared, and every free slot is zeros
+        (reads the whole free arena: for tests and shutdown checks, not the hot path)."""
         with self._lock:
             self._ledger.check_invariants()
             used = sorted(e.loc for e in self._ledger.entries())
             assert len(set(used)) == len(used), "two blocks share a slot"
             assert sorted(used + self._free_slots) == list(range(self.num_slots)), "lost slot"
+            assert not any(self._slot(s).any() for s in self._free_slots), "free slot not wiped"
 
     def _evict(self, victim: Entry[int]) -> BlockKey:
         entry = self._ledger.pop(victim.entry_id, evicted=True)
