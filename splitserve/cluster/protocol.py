@@ -406,6 +406,19 @@ class TenantPurged:
 
 
 @dataclass(slots=True)
+class TierEventBatch:
+    """What entered and left one tier below a worker's pool (store/), for the router's
+    tier index. A gap in `seq` (per worker and tier) makes the router forget that tier of
+    the worker until a batch starting with AllBlocksCleared (a resync) comes."""
+    seq: int
+    tier: str  # "host" | "disk"
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    def __post_init__(self) -> None:
+        _check_tier(self.tier)
+
+
+@dataclass(slots=True)
 class TierUsage:
     """A tier below a worker's pool (store/): current use and cumulative counts."""
     tier: str  # "host" | "disk"
@@ -423,12 +436,24 @@ class TierUsage:
     refusals: list[TierCount]  # by reason, in `tier` (quota, busy, not_admitted, ...)
     tenants: list[TierCount]  # bytes in use per tenant, in `tier` ("" = no tenant)
 
+    def __post_init__(self) -> None:
+        _check_tier(self.tier)
+
+
+STORE_TIERS = ("host", "disk")  # store.block.TierName's values
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in STORE_TIERS:
+        raise ProtocolError(f"tier {tier!r} is not one of {STORE_TIERS}")
+
 
 # New messages go last: a message's tag is its place in this union.
 Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdown
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
-           | PoolReport | Migrate | Detached | SwitchRole | PurgeTenant | TenantPurged)
+           | PoolReport | Migrate | Detached | SwitchRole | PurgeTenant | TenantPurged
+           | TierEventBatch)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

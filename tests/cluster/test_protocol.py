@@ -50,6 +50,8 @@ MESSAGES: list[P.Message] = [
     P.Detached("r1", True, None), P.Detached("r1", False, "not decoding"),
     P.SwitchRole(P.Role.DECODE, 2, 3, b"key"),
     P.PurgeTenant(4, "acme"),
+    P.TierEventBatch(2, "disk", [AllBlocksCleared(), BlockStored((H1,), None),
+                                 BlockRemoved((H2,))]),
     P.TenantPurged(4, [P.TierCount("host", 3, 1105920)], None),
 ]
 TAG = {type(m): msgpack.unpackb(P.encode(m))[0] for m in MESSAGES}
@@ -102,6 +104,7 @@ def _params(**changes: object) -> list[object]:
     (_frame(P.RequestFailed, "r", "NoSuchKind", "m", None), "not a FailureKind"),
     (_frame(P.WorkerReady, "w", "wizard", 1, "f", 16, 1, 1, 1, None, 1), "not a Role"),
     (_frame(P.KVEventBatch, 1, [[7]]), "record tag"),
+    (_frame(P.TierEventBatch, 1, "tape", []), "tier 'tape' is not one of"),
     (_frame(P.KVEventBatch, 1, [[0, ["x"], None]]), r"events\[0\]<BlockStored>.block_hashes"),
     (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [[1, 2]], 0, 0, None, []), r"steps\[0\]: StepTiming takes"),
     (_frame(P.LoadReport, 1, 2, 3, 0, 1, 2, [], 0, 0, [0, 0, 1, 2, 3, "x", 5, 6], []),

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from splitserve.cluster import protocol as P
+from splitserve.store.block import TierName
 from splitserve.cluster.frontend.admin import ClusterAdmin
 from splitserve.cluster.frontend.delivery import Redelivery
 from splitserve.cluster.frontend.flight import Flight, FlightState, FlightTable, Outcome
@@ -314,13 +315,17 @@ class Dispatcher:
         elif isinstance(msg, P.LoadReport):
             self.workers.observe_load(worker, msg)
             self.routing.admit_queued()
-        elif isinstance(msg, (P.KVEventBatch, P.KVSnapshot)) and worker.draining:
+        elif isinstance(msg, (P.KVEventBatch, P.KVSnapshot, P.TierEventBatch)) \
+                and worker.draining:
             pass  # out of routing: its cache is no one's prefix hit any more
         elif isinstance(msg, P.KVEventBatch):
             if not self.router.apply_events(worker.worker_id, msg.seq, msg.events):
                 self.link.send(identity, P.ResyncKV())
         elif isinstance(msg, P.KVSnapshot):
             self.router.apply_snapshot(worker.worker_id, msg.seq, msg.block_hashes)
+        elif isinstance(msg, P.TierEventBatch):
+            self.router.apply_tier_events(worker.worker_id, TierName(msg.tier), msg.seq,
+                                          msg.events)
         elif isinstance(msg, P.TransferReport):
             self.metrics.observe_transfer(msg.telemetry, recomputes=self.retry.kv_failure_policy
                                           is KVFailurePolicy.RECOMPUTE)

@@ -14,6 +14,7 @@ import logging
 import time
 
 from splitserve.cluster import protocol as P
+from splitserve.store.block import TierName
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
@@ -125,6 +126,9 @@ class Workers:
                 self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)
             elif step.num_decode_seqs and not step.num_prefill_tokens:
                 self.router.observe_decode_step(wid, step.num_decode_seqs, step.seconds)
+        for tier in msg.tiers:
+            self.router.observe_tier_loads(wid, TierName(tier.tier), tier.hits,
+                                           tier.load_seconds)
         self.metrics.observe_load(worker.worker_id, msg)
         self.metrics.index_blocks.set(self.router.num_indexed_blocks)
 

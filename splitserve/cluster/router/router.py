@@ -62,10 +62,12 @@ import numpy as np
 
 from splitserve.kv_cache.block_hash import BlockHash
 from splitserve.kv_cache.events import KVEvent
+from splitserve.store.block import TierName
 
 from splitserve.cluster.router.admission import ServiceRate, retry_after_s
 from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel
 from splitserve.cluster.router.indexer import PrefixIndex
+from splitserve.cluster.router.tiers import TierIndex
 from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
 from splitserve.cluster.router.config import DisaggPolicy, KVLayout, RouterConfig
 from splitserve.cluster.router.scoring import WorkerColumns, WorkerTerms, argmin_where, score
@@ -97,6 +99,7 @@ class Router:
         self._clock = clock
         self._finished = ServiceRate(self.config.service_rate_window_s)
         self.index = PrefixIndex()
+        self.tiers = TierIndex()  # host and disk tiers below the workers' pools
         self._workers: dict[str, WorkerState] = {}
         self._pooled_prefill = PrefillCostModel(self.config.cost)
         self._pooled_decode = DecodeStepModel(self.config.cost)
@@ -132,6 +135,7 @@ class Router:
         self._workers.pop(worker_id, None)
         self._columns.remove(worker_id)
         self.index.remove_worker(worker_id)
+        self.tiers.remove_worker(worker_id)
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -154,6 +158,18 @@ class Router:
         if worker_id not in self._workers:
             return True
         return self.index.apply(worker_id, seq, events)
+
+    def apply_tier_events(self, worker_id: str, tier: TierName, seq: int,
+                          events: Sequence[KVEvent]) -> None:
+        """A worker's host or disk tier changed (tiers.py)."""
+        if worker_id in self._workers:
+            self.tiers.apply(worker_id, tier, seq, events)
+
+    def observe_tier_loads(self, worker_id: str, tier: TierName, blocks: int,
+                           seconds: float) -> None:
+        """A worker's cumulative blocks loaded from a tier and their seconds."""
+        if worker_id in self._workers:
+            self.tiers.observe_loads(worker_id, tier, blocks, seconds)
 
     def apply_snapshot(self, worker_id: str, seq: int, block_hashes: Sequence[BlockHash]) -> None:
         """Replace what the index knows of a worker by its full list of cached hashes."""
@@ -216,8 +232,9 @@ class Router:
         hit_blocks = np.zeros(len(columns))
         for worker_id, num_blocks in self.index.match(req.block_hashes).items():
             hit_blocks[columns.column_of(worker_id)] = num_blocks
+        load_s = self._tier_hits(req, hit_blocks) if self.tiers else None
         terms = columns.view()
-        s = score(terms, hit_blocks, req.num_prompt_tokens, config, self.kv_layout)
+        s = score(terms, hit_blocks, req.num_prompt_tokens, config, self.kv_layout, load_s)
         ids = columns.worker_ids
         local = argmin_where(s.local_cost, s.can_decode)
         if local is None:
@@ -245,6 +262,25 @@ class Router:
         reason = (RouteReason.TPOT_BUDGET if s.local_cost[local] <= remote_cost
                   else RouteReason.REMOTE_FASTER)
         return RouteDecision.remote(s, prefill, decode, ids, reason)
+
+    def _tier_hits(self, req: RouteRequest, hit_blocks: np.ndarray) -> np.ndarray:
+        """Extends each worker's pool hit (`hit_blocks`, in place) through its host and
+        disk tiers where loading beats recomputing; the seconds those loads take."""
+        load_s = np.zeros(len(hit_blocks))
+        bs = self.kv_layout.block_size
+        block_bytes = self.kv_layout.kv_bytes_per_token * bs
+        limit = (req.num_prompt_tokens - 1) // bs
+        for col, worker_id in enumerate(self._columns.worker_ids):
+            start = int(hit_blocks[col])
+            if start >= limit:
+                continue
+            model = self._workers[worker_id].prefill_model
+            recompute = model.predict(req.num_prompt_tokens) / req.num_prompt_tokens * bs
+            more, seconds = self.tiers.extend(worker_id, req.block_hashes[:limit], start,
+                                              block_bytes, recompute)
+            hit_blocks[col] += more
+            load_s[col] = seconds
+        return load_s
 
     def _refresh(self, worker_id: str) -> None:
         self._columns.set(worker_id,

@@ -96,9 +96,10 @@ class Scores:
 
 
 def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
-          config: RouterConfig, kv: KVLayout) -> Scores:
+          config: RouterConfig, kv: KVLayout, load_s: np.ndarray | None = None) -> Scores:
     """Scores a `num_tokens` prompt of which worker w holds `hit_blocks[w]` leading
-    blocks; `terms` is `WorkerColumns.view()`."""
+    blocks, some below its pool to be loaded first in `load_s[w]` seconds; `terms` is
+    `WorkerColumns.view()`."""
     a, b, c, queue_s, step_s, running, recent_s, free, total, has_room, is_prefill = terms
     bs = kv.block_size
     # NOTE: the engine always recomputes the prompt's last token, so a hit on every block
@@ -111,6 +112,8 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
     usage = (total - free + need_blocks) / total
     memory_s = config.memory_pressure_s * usage / np.maximum(1.0 - usage, 1.0 / total)
     prefill_s = np.maximum(a + uncached * (b + uncached * c), 0.0)
+    if load_s is not None:  # loading a prefix from a tier below the pool is prefill time
+        prefill_s = prefill_s + load_s
     credit_s = np.maximum(a + num_tokens * (b + num_tokens * c), 0.0) - prefill_s
     window = config.tpot_window_tokens
     stall_s = running * prefill_s / window

@@ -7,9 +7,10 @@ import logging
 from typing import Any
 
 from splitserve.cluster import protocol as P
-from splitserve.engine.engine import LLMEngine
+from splitserve.engine.engine import LLMEngine, StepStats
 from splitserve.errors import SplitserveError
-from splitserve.store.block import TierStats
+from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from splitserve.store.block import TierEvent, TierName, TierStats
 from splitserve.store.config import StoreConfig
 from splitserve.store.engine_tiers import EngineTiers
 from splitserve.store.tiers import TieredStore, build_store
@@ -22,8 +23,9 @@ class WorkerStore:
 
     def __init__(self, engine: LLMEngine, store: TieredStore) -> None:
         self.engine, self.store = engine, store
-        self.tiers = EngineTiers(store)
+        self.tiers = EngineTiers(store, engine.block_size)
         self.bridge = engine.attach_tiers(self.tiers)
+        self._seq = {tier: 0 for tier in TierName}
 
     @staticmethod
     def build(engine: LLMEngine, options: dict[str, Any], key: bytes) -> WorkerStore | None:
@@ -48,6 +50,21 @@ class WorkerStore:
             return removed, f"{type(exc).__name__}: {exc}"
         return removed, None
 
+    def observe_step(self, step: StepStats | None) -> None:
+        if step is not None and step.num_decode_seqs <= 1:
+            self.tiers.observe_prefill(step.num_prefill_tokens, step.seconds)
+
+    def event_batches(self) -> list[P.TierEventBatch]:
+        """What entered and left each tier since the last call, one batch per tier."""
+        by_tier: dict[TierName, list[KVEvent]] = {}
+        for event in self.store.take_events():
+            by_tier.setdefault(event.tier, []).extend(_kv_events(event))
+        batches = []
+        for tier, events in by_tier.items():
+            self._seq[tier] += 1
+            batches.append(P.TierEventBatch(self._seq[tier], tier.value, events))
+        return batches
+
     def usage(self) -> list[P.TierUsage]:
         return [_usage(stats, self.tiers.loaded[tier])
                 for tier, stats in self.store.stats().items()]
@@ -56,6 +73,15 @@ class WorkerStore:
         self.bridge.detach()
         if not self.store.close():
             logger.warning("the KV store's disk writer did not stop in time")
+
+
+def _kv_events(event: TierEvent) -> list[KVEvent]:
+    """A store event in the words of the router's index (kv_cache/events.py)."""
+    out: list[KVEvent] = [AllBlocksCleared()] if event.resync else []
+    out += [BlockStored((key.block_hash,), key.parent_hash) for key in event.stored]
+    if event.removed:
+        out.append(BlockRemoved(tuple(event.removed)))
+    return out
 
 
 def _usage(s: TierStats, hits: int) -> P.TierUsage:

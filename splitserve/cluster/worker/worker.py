@@ -78,6 +78,8 @@ class Worker:
             outputs = self._step()
             if outputs:
                 self.reports.step_done(engine)
+                if self.store is not None:
+                    self.store.observe_step(engine.last_step)
             self._move_kv(outputs)
             for out in outputs:
                 self._output(out)
@@ -431,6 +433,8 @@ class Worker:
         batch = self.reports.events(self.engine, lambda: self.faults.fire("events") is not None)
         if batch is not None:
             self._send(batch)
+        for tier_batch in self.store.event_batches() if self.store is not None else ():
+            self._send(tier_batch)
 
     def _send(self, msg: P.Message) -> None:
         # The frontend gone (a send timed out): drop the rest and exit, or
