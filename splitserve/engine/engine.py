@@ -11,6 +11,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.batch import SampledToken, ScheduledBatch
+from splitserve.engine.device import resolve_batch_invariant, resolve_device, resolve_dtype
 from splitserve.engine.kv_connector import (KVConnector, KVLayout, KVRange, KVRequestState,
                                             LayerListener)
 from splitserve.engine.kv_tiers import KVTiers, TierBridge
@@ -22,15 +23,12 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, KVImportError, StepFailed
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
-from splitserve.model.kernels import (EXACT_KERNELS, is_supported, isa_name,
-                                      use_exact_kernels_)
-from splitserve.model.kernels import load as load_kernels
+from splitserve.model.kernels import EXACT_KERNELS, isa_name, use_exact_kernels_
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
 from splitserve.model.quant import QUANTIZATIONS, quantize_int8_
 from splitserve.model.registry import build_model
-from splitserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +51,6 @@ class EngineLoad(NamedTuple):
     max_num_seqs: int
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-              "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(dtypes)}")
-    return dtypes[name]
-
-
 class LLMEngine(KVConnector):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -81,7 +65,7 @@ class LLMEngine(KVConnector):
         model.load_weights(ckpt.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
-        self.batch_invariant = _resolve_batch_invariant(config, self.device, self.dtype,
+        self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype,
                                                         self.spec)
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
@@ -370,31 +354,6 @@ class LLMEngine(KVConnector):
         req = self.scheduler.fail_import(request_id, recompute)
         if req is not None and req.is_finished:
             self.detokenizer.remove(request_id)
-
-
-def _resolve_batch_invariant(config: EngineConfig, device: torch.device,
-                             dtype: torch.dtype, spec: ModelSpec) -> bool:
-    """None: exact kernels wherever they exist; True where they do not is an error."""
-    head_dim = spec.head_dim
-    available = config.quantization is None and is_supported(
-        device, dtype, head_dim, spec.hidden_size, spec.intermediate_size)
-    if config.batch_invariant and not available:
-        raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
-                         f"an x86 CPU with AVX2 and head_dim a multiple of 16 up to 128 (got "
-                         f"{dtype}, quantization={config.quantization}, {device}, head_dim="
-                         f"{head_dim}); drop the flag for the fast path")
-    if not available or config.batch_invariant is False:
-        return False
-    try:
-        load_kernels()
-    except Exception as exc:  # no compiler, no headers: a fresh machine without build tools
-        if config.batch_invariant:
-            raise ValueError(f"batch_invariant=True but the exact kernels failed to build: "
-                             f"{exc}; install g++ (and ninja), or drop the flag") from exc
-        logger.warning("exact kernels failed to build (%s); running the fast path: outputs "
-                       "will depend on batching", exc)
-        return False
-    return True
 
 
 def _step_stats(batch: ScheduledBatch, seconds: float) -> StepStats:
