@@ -12,7 +12,9 @@ from splitserve.errors import SplitserveError
 from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from splitserve.store.block import TierEvent, TierName, TierStats
 from splitserve.store.config import StoreConfig
+from splitserve.engine.request import Request
 from splitserve.store.engine_tiers import EngineTiers
+from splitserve.store.prefetch import Prefetcher
 from splitserve.store.tiers import TieredStore, build_store
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ class WorkerStore:
         self.tiers = EngineTiers(store, engine.block_size)
         self.bridge = engine.attach_tiers(self.tiers)
         self._seq = {tier: 0 for tier in TierName}
+        self.prefetcher = Prefetcher(store)
 
     @staticmethod
     def build(engine: LLMEngine, options: dict[str, Any], key: bytes) -> WorkerStore | None:
@@ -50,6 +53,14 @@ class WorkerStore:
             return removed, f"{type(exc).__name__}: {exc}"
         return removed, None
 
+    def prefetch(self, req: Request) -> None:
+        """Reads the request's prefix blocks that are on disk into the host tier while it
+        waits for the engine (store/prefetch.py)."""
+        kv = self.bridge.kv
+        start = len(kv.computed_prefix(req.block_hashes, req.num_tokens))
+        limit = max(0, (req.num_tokens - 1) // kv.block_size)
+        self.prefetcher.submit(req.block_hashes[start:limit], req.tenant)
+
     def observe_step(self, step: StepStats | None) -> None:
         if step is not None and step.num_decode_seqs <= 1:
             self.tiers.observe_prefill(step.num_prefill_tokens, step.seconds)
@@ -70,6 +81,7 @@ class WorkerStore:
                 for tier, stats in self.store.stats().items()]
 
     def close(self) -> None:
+        self.prefetcher.close()
         self.bridge.detach()
         if not self.store.close():
             logger.warning("the KV store's disk writer did not stop in time")

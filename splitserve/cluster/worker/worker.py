@@ -335,6 +335,8 @@ class Worker:
             self._fail(rid, FailureKind.INVALID_REQUEST, str(exc), exc.field)
             return False
         self.reports.num_prompt_tokens += req.num_prompt_tokens
+        if self.store is not None:
+            self.store.prefetch(req)
         return True
 
     def _reserve(self) -> None:
