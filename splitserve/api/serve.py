@@ -50,7 +50,8 @@ class ClusterBackend:
                 "index": {"blocks": index.num_blocks, "tenants": index.num_tenants,
                           "pending_claims": index.num_pending_claims,
                           "by_worker": {w: index.num_worker_blocks(w)
-                                        for w in index.worker_ids()}},
+                                        for w in index.worker_ids()},
+                          "tiers": self.dispatcher.router.tier_blocks()},
                 "planner": self.cluster.last_decision}
 
     def metrics_text(self) -> bytes:

@@ -122,3 +122,55 @@ def test_blocks_come_back_from_host_then_disk_then_after_a_restart(
     assert not any(usage["bytes"].values()), usage
     assert run(a, "alice") == (cold_a, 0)
     assert server.get_json("/admin/pools")["workers"]["both-0"]["ok"]
+
+
+def test_the_router_sends_a_prefix_to_the_worker_holding_it_below_its_pool(
+        start_server: Any) -> None:
+    """Two colocated workers. a is computed on both-1 (both-0 is busy with a long stream)
+    and pushed out of both-1's pool into its host tier. Once both are idle again, a
+    tie would go to both-0: the tier index (TierEventBatch) sends a to both-1, which
+    brings it up from its host tier."""
+    server = start_server(
+        "--mode", "agg", "--decode", "2", "--max-model-len", "384",
+        "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
+        "--kv-host-bytes", str(64 * BLOCK_BYTES), "--enable-prompt-tokens-details")
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+
+    def run(prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+
+    def hits(worker: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1])
+                   for line in server.get_text("/metrics").splitlines()
+                   if line.startswith("splitserve_kv_tier_hits_total{")
+                   and f'worker="{worker}"' in line)
+
+    import threading
+    busy = threading.Thread(target=run, args=(_prompt(50), 300))
+    busy.start()
+    deadline = time.monotonic() + 30
+    while not any(w["requests"] for w in server.workers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    a = _prompt(1)
+    cold, _ = run(a)  # both-0 decodes the long stream: a goes to both-1
+    for seed in range(300, 304):  # also to the idle both-1: a leaves its pool
+        run(_prompt(seed))
+    busy.join(300)
+    assert not busy.is_alive()
+    health = server.get_json("/admin/health")
+    assert health["index"]["tiers"]["both-1"]["host"] >= 9, health["index"]
+    assert run(a) == (cold, HIT_TOKENS)
+    assert _wait_for(lambda: hits("both-1") >= 9) and hits("both-0") == 0
+
+
+def _wait_for(check: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -67,7 +67,7 @@ from splitserve.store.block import TierName
 from splitserve.cluster.router.admission import ServiceRate, retry_after_s
 from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel
 from splitserve.cluster.router.indexer import PrefixIndex
-from splitserve.cluster.router.tiers import TierIndex
+from splitserve.cluster.router.tiers import TIERS, TierIndex
 from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
 from splitserve.cluster.router.config import DisaggPolicy, KVLayout, RouterConfig
 from splitserve.cluster.router.scoring import WorkerColumns, WorkerTerms, argmin_where, score
@@ -164,6 +164,11 @@ class Router:
         """A worker's host or disk tier changed (tiers.py)."""
         if worker_id in self._workers:
             self.tiers.apply(worker_id, tier, seq, events)
+
+    def tier_blocks(self) -> dict[str, dict[str, int]]:
+        """Blocks each worker's host and disk tiers hold, as far as the router knows."""
+        return {w: {t.value: self.tiers.num_blocks(w, t) for t in TIERS}
+                for w in self.tiers.worker_ids()}
 
     def observe_tier_loads(self, worker_id: str, tier: TierName, blocks: int,
                            seconds: float) -> None:

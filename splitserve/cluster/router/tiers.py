@@ -42,6 +42,9 @@ class TierIndex:
         """Whether any worker reported a tier (routing skips tiers otherwise)."""
         return bool(self._workers)
 
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
     def num_blocks(self, worker_id: str, tier: TierName) -> int:
         entry = self._workers.get(worker_id)
         return len(entry.held[tier]) if entry is not None else 0

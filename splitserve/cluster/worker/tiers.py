@@ -4,11 +4,12 @@ key, attached below the engine's pool, purged on the frontend's word, and report
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from splitserve.cluster import protocol as P
 from splitserve.engine.engine import LLMEngine, StepStats
-from splitserve.errors import SplitserveError
+from splitserve.errors import SplitserveError, StoreError
 from splitserve.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from splitserve.store.block import TierEvent, TierName, TierStats
 from splitserve.store.config import StoreConfig
@@ -18,6 +19,8 @@ from splitserve.store.prefetch import Prefetcher
 from splitserve.store.tiers import TieredStore, build_store
 
 logger = logging.getLogger(__name__)
+
+MAX_DISK_DIRS = 8  # <dir>/<worker id>, then <dir>/<worker id>+2 ... when one is locked
 
 
 class WorkerStore:
@@ -35,7 +38,7 @@ class WorkerStore:
         if not options:
             return None
         config = StoreConfig(**options)
-        store = build_store(config, engine.tier_block_bytes, engine.fingerprint, key or None)
+        store = _build(config, engine, key)
         if store is None:
             return None
         logger.info("KV store below the pool: host %d bytes, disk %s (%d bytes)",
@@ -85,6 +88,22 @@ class WorkerStore:
         self.bridge.detach()
         if not self.store.close():
             logger.warning("the KV store's disk writer did not stop in time")
+
+
+def _build(config: StoreConfig, engine: LLMEngine, key: bytes) -> TieredStore | None:
+    """The store, in the worker's own disk directory, or (it is locked by a live process:
+    the worker that had this id switched roles and kept it) the first free sibling."""
+    for attempt in range(MAX_DISK_DIRS):
+        try:
+            return build_store(config, engine.tier_block_bytes, engine.fingerprint, key or None)
+        except StoreError:
+            if config.disk_dir is None or attempt == MAX_DISK_DIRS - 1:
+                raise
+            sibling = f"{config.disk_dir.rsplit('+', 1)[0]}+{attempt + 2}"
+            logger.warning("%s is in use; this worker's disk tier goes to %s",
+                           config.disk_dir, sibling)
+            config = replace(config, disk_dir=sibling)
+    return None
 
 
 def _kv_events(event: TierEvent) -> list[KVEvent]:
