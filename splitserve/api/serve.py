@@ -51,7 +51,8 @@ class ClusterBackend:
                           "pending_claims": index.num_pending_claims,
                           "by_worker": {w: index.num_worker_blocks(w)
                                         for w in index.worker_ids()},
-                          "tiers": self.dispatcher.router.tier_blocks()},
+                          "tiers": self.dispatcher.router.tier_blocks(),
+                          "routed_tier_blocks": self.dispatcher.router.stats().num_tier_blocks},
                 "planner": self.cluster.last_decision}
 
     def metrics_text(self) -> bytes:

@@ -33,6 +33,7 @@ def test_a_fast_tier_is_credited_and_wins_the_placement() -> None:
     assert decision is not None
     assert decision.decode_worker == "b" and decision.num_cached_tokens == 496
     assert decision.reason is RouteReason.AGGREGATED
+    assert router.stats().num_tier_blocks == 31
 
 
 def test_a_tier_slower_than_recomputing_is_not_credited() -> None:

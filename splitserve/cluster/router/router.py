@@ -87,6 +87,7 @@ class RouterStats:
     num_unplaced: int = 0  # route() returned None
     num_indexed_blocks: int = 0
     num_index_entries: int = 0
+    num_tier_blocks: int = 0  # prefix blocks credited below the chosen worker's pool
 
 
 class Router:
@@ -100,6 +101,7 @@ class Router:
         self._finished = ServiceRate(self.config.service_rate_window_s)
         self.index = PrefixIndex()
         self.tiers = TierIndex()  # host and disk tiers below the workers' pools
+        self._tier_credit: dict[str, int] = {}  # the route being decided: blocks below
         self._workers: dict[str, WorkerState] = {}
         self._pooled_prefill = PrefillCostModel(self.config.cost)
         self._pooled_decode = DecodeStepModel(self.config.cost)
@@ -215,11 +217,14 @@ class Router:
     def route(self, req: RouteRequest) -> RouteDecision | None:
         """Pick the decode worker and, if any, the prefill worker; None when no placement
         is within budget (the caller queues the request)."""
+        self._tier_credit.clear()
         decision = self._route(req)
         if decision is None:
             self._stats.num_unplaced += 1
         else:
             self._stats.num_routed += 1
+            placed = decision.prefill_worker or decision.decode_worker
+            self._stats.num_tier_blocks += self._tier_credit.get(placed, 0)
         return decision
 
     def _route(self, req: RouteRequest) -> RouteDecision | None:
@@ -285,6 +290,7 @@ class Router:
                                               block_bytes, recompute)
             hit_blocks[col] += more
             load_s[col] = seconds
+            self._tier_credit[worker_id] = more
         return load_s
 
     def _refresh(self, worker_id: str) -> None:
@@ -371,5 +377,5 @@ class Router:
         """A copy of the counters, with the index sizes filled in."""
         s = self._stats
         return RouterStats(s.num_routed, s.num_unplaced, self.index.num_blocks,
-                           self.index.num_entries)
+                           self.index.num_entries, s.num_tier_blocks)
 
