@@ -79,6 +79,19 @@ class WorkerStore:
             batches.append(P.TierEventBatch(self._seq[tier], tier.value, events))
         return batches
 
+    def snapshot(self) -> list[P.TierEventBatch]:
+        """Everything each tier holds, as resync batches (a new frontend or identity: the
+        router's tier index starts over from them); pending events are folded in."""
+        self.store.take_events()
+        batches = []
+        for tier, held in ((TierName.HOST, self.store.host), (TierName.DISK, self.store.disk)):
+            if held is None:
+                continue
+            self._seq[tier] += 1
+            batches.append(P.TierEventBatch(self._seq[tier], tier.value, _kv_events(
+                TierEvent(tier, tuple(held.keys()), resync=True))))
+        return batches
+
     def usage(self) -> list[P.TierUsage]:
         return [_usage(stats, self.tiers.loaded[tier])
                 for tier, stats in self.store.stats().items()]

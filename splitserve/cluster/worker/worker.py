@@ -147,6 +147,8 @@ class Worker:
         self.engine.take_kv_events()  # the snapshot below says it all
         self._register()
         self._send(self.reports.snapshot(self.engine))
+        for batch in self.store.snapshot() if self.store is not None else ():
+            self._send(batch)
         self.reports.next_report = 0.0
 
     def _request_ids(self) -> set[str]:
