@@ -183,3 +183,39 @@ def _wait_for(check: Any, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def test_a_prefill_workers_tier_serves_the_decode_worker_over_the_wire(
+        start_server: Any) -> None:
+    """Disaggregated (every prompt prefilled on prefill-0): a's blocks go from
+    prefill-0's pool to its host tier; the next request with a's prompt is prefilled from
+    there and its KV crosses to decode-0, which never held any of it. The text is the cold
+    run's (a's prompt under another tenant, computed from scratch)."""
+    server = start_server(
+        "--mode", "disagg", "--prefill", "1", "--decode", "1", "--disagg-policy", "always",
+        "--max-model-len", "384", "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
+        "--kv-host-bytes", str(48 * BLOCK_BYTES), "--enable-prompt-tokens-details")
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def run(prompt: list[int], tenant: str, max_tokens: int) -> tuple[str, int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Tenant": tenant})
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+
+    def hits(worker: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1])
+                   for line in server.get_text("/metrics").splitlines()
+                   if line.startswith("splitserve_kv_tier_hits_total{")
+                   and f'worker="{worker}"' in line)
+
+    a = _prompt(1)
+    cold, _ = run(a, "reference", 8)
+    run(a, "alice", 1)  # one token: the request ends on prefill-0, nothing is sent
+    for seed in range(400, 404):  # prefill-0's pool only: a goes to its host tier
+        run(_prompt(seed), "filler", 1)
+    assert run(a, "alice", 8) == (cold, HIT_TOKENS)
+    assert _wait_for(lambda: hits("prefill-0") >= 9), hits("prefill-0")
+    assert hits("decode-0") == 0
