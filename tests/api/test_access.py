@@ -124,7 +124,8 @@ def _admin_routes(fake: FakeBackend) -> list[tuple[str, str]]:
 def test_admin_routes_need_the_admin_key(http: httpx2.Client, fake: FakeBackend) -> None:
     routes = _admin_routes(fake)
     assert {p for p, _ in routes} == {"/admin/health", "/admin/pools", "/admin/faults",
-                                      "/admin/workers", "/admin/drain", "/admin/switch"}
+                                      "/admin/workers", "/admin/drain", "/admin/switch",
+                                      "/admin/tenants/{tenant}/cache"}
     for path, method in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"},
                         {"Authorization": f"Basic {ADMIN_KEY}"}):
