@@ -101,7 +101,8 @@ class Metrics:
                                           "header refused), forged (of which not authentic)",
                                           ["worker", "reason"],
                                           registry=r)
-        self.tiers = TierMetrics(r)
+        self.totals = ReportedTotals()
+        self.tiers = TierMetrics(r, self.totals)
         self.kv_blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks in use",
                                     ["worker"], registry=r)
         self.kv_blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks in the pool",
@@ -214,13 +215,14 @@ class Metrics:
         self.kv_blocks_total.labels(worker).set(msg.kv_blocks_total)
         self.running.labels(worker).set(msg.num_running)
         self.waiting.labels(worker).set(msg.num_waiting)
-        _advance(self.prefix_hit_tokens.labels(worker, "device"), msg.num_prefix_hit_tokens)
-        _advance(self.prefix_query_tokens.labels(worker), msg.num_prompt_tokens)
+        advance = self.totals.advance
+        advance(self.prefix_hit_tokens.labels(worker, "device"), msg.num_prefix_hit_tokens)
+        advance(self.prefix_query_tokens.labels(worker), msg.num_prompt_tokens)
         self.tiers.observe(worker, msg.tiers)
         if (kv := msg.kv_listener) is not None:
             self.kv_listener_held.labels(worker).set(kv.held)
             for reason in ("evicted", "refused", "timed_out", "rejected", "forged"):
-                _advance(self.kv_listener_closed.labels(worker, reason), getattr(kv, reason))
+                advance(self.kv_listener_closed.labels(worker, reason), getattr(kv, reason))
 
     def count_workers(self, workers: list[tuple[str, str]]) -> None:
         """(role, state) of every registered worker: healthy, unhealthy or draining."""
@@ -256,7 +258,8 @@ class Metrics:
 class TierMetrics:
     """The KV store's tiers below each worker's pool (LoadReport.tiers). Per-tenant use is
     not here (/metrics is open): /admin/tenants/{tenant}/cache has it."""
-    def __init__(self, r: CollectorRegistry) -> None:
+    def __init__(self, r: CollectorRegistry, totals: ReportedTotals) -> None:
+        self.totals = totals
         labels = ["worker", "tier"]
         self.latest: dict[str, list[TierUsage]] = {}  # worker -> its last report
         self.capacity = Gauge("splitserve_kv_tier_capacity_bytes", "Tier size", labels,
@@ -296,9 +299,9 @@ class TierMetrics:
                                    (self.load_s, t.load_seconds),
                                    (self.store_s, t.store_seconds),
                                    (self.evictions, t.evictions), (self.corrupt, t.corrupt)):
-                _advance(counter.labels(*key), value)
+                self.totals.advance(counter.labels(*key), value)
             for refusal in t.refusals:
-                _advance(self.refusals.labels(*key, refusal.tier), refusal.blocks)
+                self.totals.advance(self.refusals.labels(*key, refusal.tier), refusal.blocks)
 
     def tenant_usage(self, tenant: str) -> dict[str, object]:
         """The tenant's bytes in each tier of each worker, as last reported."""
@@ -311,8 +314,17 @@ class TierMetrics:
         return {"tenant": tenant, "bytes": totals, "workers": workers}
 
 
-def _advance(counter: Any, value: float) -> None:
-    """Counters from workers arrive as cumulative totals: advance to the reported value."""
-    current = counter._value.get()
-    if value > current:
-        counter.inc(value - current)
+class ReportedTotals:
+    """Counters that workers report as cumulative totals: each report adds what grew
+    since the last one. A total below the last is a restarted worker (same id, a new
+    incarnation counting from 0): all of it is new."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Any, float]] = {}  # id(child) -> (child, last total)
+
+    def advance(self, counter: Any, value: float) -> None:
+        last = self._last.get(id(counter), (counter, 0.0))[1]
+        grown = value - last if value >= last else value
+        if grown > 0:
+            counter.inc(grown)
+        self._last[id(counter)] = (counter, value)  # the child kept: its id stays its own
