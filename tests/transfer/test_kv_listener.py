@@ -270,8 +270,12 @@ def test_hostile_rings_are_refused_and_the_receiver_goes_on(make_pair: Callable[
     try:
         sock.connect(pair.receiver.address.removeprefix("shm://"))
         socket.send_fds(sock, [struct.pack("<4sQQ", b"SSHM", sizes, 1 << 20)], fds)
-        sock.sendall(struct.pack("<BQ", 1, PRELUDE.size))  # a DATA doorbell for the prelude
-        assert closed_by_peer(sock)  # refused
+        try:
+            sock.sendall(struct.pack("<BQ", 1, PRELUDE.size))  # a DATA doorbell for the prelude
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused on the rings alone, before the doorbell (a busy machine's timing)
+        else:
+            assert closed_by_peer(sock)  # refused
     finally:
         sock.close()
         for fd in fds:
