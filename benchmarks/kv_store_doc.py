@@ -79,8 +79,9 @@ def render(res: dict[str, Any], c: dict[str, Any], plots: Path) -> str:
         f"{info['mean_input_len']:.0f} / max {info['max_input_len']} tokens, output mean "
         f"{info['mean_output_len']:.0f}; {w['unique_blocks']} distinct 16-token blocks "
         f"({w['unique_blocks'] * c['block_bytes'] / 2**30:.2f} GiB of KV). Arrivals: "
-        f"{tiered['rate']:g} req/s, Poisson or the trace's rescaled times (prompt tokens at "
-        f"{c['load']:g} x the cold prefill speed: {base['service_s']:.2f} s per mean prompt).",
+        f"{tiered['rate']:g} req/s, Poisson or the trace's rescaled times ({c['load']:g} x the "
+        f"cold capacity estimate: {base['service_s']:.2f} s per mean request, its prompt's "
+        f"prefill and its decode unbatched).",
         "", f"SLO: TTFT <= {slo['ttft_ms']:g} ms ({c['k_ttft']:g} x {base['ttft0_ms']:.0f} ms, "
         f"the unloaded cold TTFT of a {w['p90_prompt']}-token prompt, the p90, on `pool`; by "
         f"setup: {cold}); no TPOT target (unloaded TPOT {base['tpot0_ms']:.1f} ms).", "",
