@@ -92,7 +92,10 @@ def render(res: dict[str, Any], c: dict[str, Any], plots: Path) -> str:
                         "mean TTFT ms", "p90 TTFT ms", "p90 TPOT ms", "SLO attainment",
                         "goodput req/s",
                         "failed", "other CPU (cores)"], rows), "",
-        f"Tier traffic (`tiered`): {'; '.join(_traffic(tiered['tiers'], t) for t in TIERS)}.",
+        f"Tier traffic (`tiered`): {'; '.join(_traffic(tiered['tiers'], t) for t in TIERS)}."
+        + (" A hit rate above the infinite cache's: requests were preempted (the pool ran "
+           "out) and hit their own blocks when re-admitted; the server was overloaded."
+           if any((x["vs_infinite"] or 0) > 1.0 for x in res["rows"]) else ""),
         "", f"Plots: [TTFT CDF]({plots / (res['key'] + '_ttft_cdf.png')}), "
         f"[hit rate by tier]({plots / 'hits.png'})."])
 
