@@ -52,7 +52,9 @@ class ClusterBackend:
                           "by_worker": {w: index.num_worker_blocks(w)
                                         for w in index.worker_ids()},
                           "tiers": self.dispatcher.router.tier_blocks(),
-                          "routed_tier_blocks": self.dispatcher.router.stats().num_tier_blocks},
+                          "routed_tier_blocks": self.dispatcher.router.stats().num_tier_blocks,
+                          "routed_peer_fetches":
+                              self.dispatcher.router.stats().num_peer_fetches},
                 "planner": self.cluster.last_decision}
 
     def metrics_text(self) -> bytes:

@@ -32,6 +32,10 @@ index (the last block is always recomputed, as the engine does) and `u = T - cac
     remote(P, D)   = prefill(P) + load_weight * queue(P) + memory_weight * memory(P)
                    + transfer(KV bytes of D's uncached tokens)
                    + load_weight * step(D) + memory_weight * memory(D)
+    peer(D, W)     = with peer_fetch, a local D may import the N-token prefix W holds
+                   (pool or tiers, >= peer_min_blocks longer than D's) when gain =
+                   prefill(D) - full(T - N) > cost = queue(W) + tier load(W) + step(W)
+                   + transfer(N - D's cached); the largest gain - cost wins (peer.py)
 
 scoring.py evaluates these for all workers at once. A worker is over budget when
 running + waiting >= max_num_seqs or its free KV blocks
@@ -67,6 +71,7 @@ from splitserve.store.block import TierName
 from splitserve.cluster.router.admission import ServiceRate, retry_after_s
 from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostModel
 from splitserve.cluster.router.indexer import PrefixIndex
+from splitserve.cluster.router.peer import best_peer, with_peer
 from splitserve.cluster.router.tiers import TIERS, TierIndex
 from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
 from splitserve.cluster.router.config import DisaggPolicy, KVLayout, RouterConfig
@@ -88,6 +93,7 @@ class RouterStats:
     num_indexed_blocks: int = 0
     num_index_entries: int = 0
     num_tier_blocks: int = 0  # prefix blocks credited below the chosen worker's pool
+    num_peer_fetches: int = 0  # decisions that import a prefix from another worker
 
 
 class Router:
@@ -225,6 +231,7 @@ class Router:
             self._stats.num_routed += 1
             placed = decision.prefill_worker or decision.decode_worker
             self._stats.num_tier_blocks += self._tier_credit.get(placed, 0)
+            self._stats.num_peer_fetches += decision.peer is not None
         return decision
 
     def _route(self, req: RouteRequest) -> RouteDecision | None:
@@ -246,18 +253,28 @@ class Router:
         terms = columns.view()
         s = score(terms, hit_blocks, req.num_prompt_tokens, config, self.kv_layout, load_s)
         ids = columns.worker_ids
+
+        def local_at(d: int, reason: RouteReason) -> RouteDecision:
+            """Every local decision, importing a peer's longer prefix where that pays."""
+            decision = RouteDecision.local(s, d, ids, reason)
+            if not config.peer_fetch:
+                return decision
+            option = best_peer(s, hit_blocks, load_s, d, req.num_prompt_tokens,
+                               self._workers[ids[d]].prefill_model, config, self.kv_layout)
+            return decision if option is None else with_peer(decision, option, ids)
+
         local = argmin_where(s.local_cost, s.can_decode)
         if local is None:
             return None
         if not terms[_IS_PREFILL].any():
-            return RouteDecision.local(s, local, ids, RouteReason.AGGREGATED)
+            return local_at(local, RouteReason.AGGREGATED)
         if policy == DisaggPolicy.NEVER:
-            return RouteDecision.local(s, local, ids, RouteReason.FORCED_LOCAL)
+            return local_at(local, RouteReason.FORCED_LOCAL)
         prefill = argmin_where(s.remote_prefill_cost, s.can_prefill)
         if prefill is None:
             if policy == DisaggPolicy.ALWAYS:
                 return None
-            return RouteDecision.local(s, local, ids, RouteReason.PREFILL_POOL_SATURATED)
+            return local_at(local, RouteReason.PREFILL_POOL_SATURATED)
         decode = argmin_where(s.remote_decode_cost, s.can_decode)
         assert decode is not None  # local is not None
         if policy == DisaggPolicy.ALWAYS:
@@ -267,8 +284,8 @@ class Router:
         if best is not None and s.local_cost[best] <= remote_cost:
             hit_won = (s.num_cached_tokens[best] > 0
                        and s.local_cost[best] + s.local_saving_s[best] > remote_cost)
-            return RouteDecision.local(s, best, ids, RouteReason.LOCAL_PREFIX_HIT if hit_won
-                                       else RouteReason.LOCAL_FASTER)
+            return local_at(best, RouteReason.LOCAL_PREFIX_HIT if hit_won
+                            else RouteReason.LOCAL_FASTER)
         reason = (RouteReason.TPOT_BUDGET if s.local_cost[local] <= remote_cost
                   else RouteReason.REMOTE_FASTER)
         return RouteDecision.remote(s, prefill, decode, ids, reason)
@@ -315,6 +332,11 @@ class Router:
             shares[decision.decode_worker] = InFlight(
                 num_waiting=1, num_waiting_tokens=uncached,
                 kv_blocks=num_blocks - decision.num_cached_tokens // bs)
+            peer = decision.peer
+            if peer is not None:  # the holder briefly holds the prefix, computes its last block
+                assert peer.worker != decision.decode_worker
+                shares[peer.worker] = InFlight(num_waiting=1, num_waiting_tokens=bs,
+                                               kv_blocks=peer.num_tokens // bs)
             worker = self._workers.get(decision.decode_worker)
             if worker is not None and self._horizon_s:
                 worker.local_prefills.append((self._clock(),
@@ -377,5 +399,5 @@ class Router:
         """A copy of the counters, with the index sizes filled in."""
         s = self._stats
         return RouterStats(s.num_routed, s.num_unplaced, self.index.num_blocks,
-                           self.index.num_entries, s.num_tier_blocks)
+                           self.index.num_entries, s.num_tier_blocks, s.num_peer_fetches)
 
