@@ -186,7 +186,9 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
                    "encryption; default: a fresh key per start (disk blocks of an earlier "
                    "frontend are unreadable)")
     g.add_argument("--kv-peer-fetch", action=argparse.BooleanOptionalAction,
-                   help="fetch blocks that other workers' tiers hold (default on)")
+                   help="a worker may import a prompt prefix another worker holds (pool, "
+                   "host or disk tier) over the KV transfer layer when the router predicts "
+                   "it faster than recomputing (default on)")
 
 
 def parse_bytes(text: str) -> int:

@@ -173,7 +173,9 @@ class KVStoreConfig:
     # 32-byte key (raw or hex) the disk tier's per-tenant keys derive from; None: a fresh
     # key per frontend start (a restarted worker starts warm, a new frontend cold).
     kv_disk_key_file: str | None = None
-    kv_peer_fetch: bool = True  # fetch blocks another worker's tiers hold
+    # The router may have a worker import a prompt prefix another worker holds (pool or
+    # tiers) when that is predicted faster than recomputing it (RouterConfig.peer_fetch).
+    kv_peer_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_host_bytes < 0 or self.kv_disk_bytes <= 0:

@@ -74,8 +74,7 @@ def store_options(config: KVStoreConfig, worker_id: str) -> dict[str, Any]:
         return {}
     options: dict[str, Any] = {"host_bytes": config.kv_host_bytes,
                                "disk_admission": config.kv_disk_admission,
-                               "tenant_quota_bytes": config.kv_tenant_quota_bytes,
-                               "peer_fetch": config.kv_peer_fetch}
+                               "tenant_quota_bytes": config.kv_tenant_quota_bytes}
     if config.kv_disk_dir is not None:
         options.update(disk_dir=os.path.join(config.kv_disk_dir, worker_id),
                        disk_bytes=config.kv_disk_bytes)
@@ -132,7 +131,8 @@ class Cluster:
         router = Router(RouterConfig(
             disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
             tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
-            tenant_max_cached_blocks=cfg.tenant_max_cached_blocks))
+            tenant_max_cached_blocks=cfg.tenant_max_cached_blocks,
+            peer_fetch=cfg.store.kv_peer_fetch))
         dispatcher = self.dispatcher = Dispatcher(
             router, cfg.deadlines, max_queue_len=cfg.max_queue_len,
             retry=RetryPolicy(cfg.max_retries, KVFailurePolicy(cfg.kv_failure_policy),

@@ -7,7 +7,8 @@ field typed and checked on decoding, nested records included (cluster/codec.py).
 Nothing is unpickled; no message names a method.
 
     frontend -> worker: Generate, Prefill, KVPlan, Abort, ResyncKV, EvictBlocks, Shutdown,
-                        InjectFault, CheckPool, Migrate, SwitchRole, PurgeTenant
+                        InjectFault, CheckPool, Migrate, SwitchRole, PurgeTenant,
+                        ExportPrefix, CancelImport
     worker -> frontend: WorkerReady, Output, KVPlanReady, PrefillDone, RequestFailed,
                         KVEventBatch, KVSnapshot, LoadReport, TransferReport, PoolReport,
                         Detached, TenantPurged, TierEventBatch
@@ -17,6 +18,12 @@ worker D and Prefill to the prefill worker P at once. P prefills and streams tok
 (Output); D reserves blocks and answers KVPlanReady, which the frontend relays to P as
 KVPlan; P streams the KV to D (holding it if its prefill finished first), then says
 PrefillDone. D streams from token 2 on.
+
+Peer fetch (a local request whose prefix another worker H holds): Generate(await_kv,
+kv_prefix_end=N) to D and ExportPrefix(the N-token prefix) to H; the plan is relayed as
+above, H sends the prefix's KV and PrefillDone, and D prefills the rest and streams every
+token. A failed fetch costs only time: D prefills the whole prompt (CancelImport says so
+at once when H fails or leaves).
 """
 from __future__ import annotations
 
@@ -88,6 +95,9 @@ class Generate:
     # Output an earlier attempt produced (retry or migration): go on from there.
     resume_token_ids: list[int] = field(default_factory=list)
     tenant: str | None = None  # whose cache its blocks count against below the pool
+    # Peer fetch: only the prefix [0, kv_prefix_end) comes (from ExportPrefix on another
+    # worker); this worker prefills the rest. None: the whole prompt (a prefill worker's).
+    kv_prefix_end: int | None = None
 
 
 @dataclass(slots=True)
@@ -355,6 +365,25 @@ class TierUsage:
         _check_tier(self.tier)
 
 
+@dataclass(slots=True)
+class ExportPrefix:
+    """Peer fetch: send a prompt prefix this worker holds (pool, host or disk tier) to the
+    worker that awaits it (Generate with kv_prefix_end). Nothing is computed: the blocks
+    are held at once (engine.hold_prefix) and sent where the importer's plan (KVPlan)
+    says; PrefillDone follows. Holding less than the whole prefix: RequestFailed."""
+    request_id: str
+    prompt_token_ids: list[int]  # the prefix
+    namespace: str | None
+    kv_timeout_s: float
+    tenant: str | None = None
+
+
+@dataclass(slots=True)
+class CancelImport:
+    """Stop awaiting a request's prefix (its holder failed or left): prefill it all here."""
+    request_id: str
+
+
 STORE_TIERS = ("host", "disk")  # store.block.TierName's values
 
 
@@ -368,7 +397,7 @@ Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdo
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
            | PoolReport | Migrate | Detached | SwitchRole | PurgeTenant | TenantPurged
-           | TierEventBatch)
+           | TierEventBatch | ExportPrefix | CancelImport)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

@@ -126,10 +126,12 @@ class LLMEngine(KVConnector):
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     *, namespace: str | None = None, hold_kv: bool = False,
                     await_kv: bool = False, resume_token_ids: list[int] | None = None,
-                    tenant: str | None = None) -> Request:
+                    tenant: str | None = None, kv_prefix_end: int | None = None) -> Request:
         """Queues a request. `namespace`: which cached prefixes it may hit; `tenant`: whose
         cache its blocks count against below the pool (defaults to the namespace).
-        `await_kv`: its prompt KV will be imported (WAITING_FOR_KV);
+        `await_kv`: its prompt KV will be imported (WAITING_FOR_KV); with `kv_prefix_end`
+        only the prefix [0, kv_prefix_end) (whole blocks, short of the prompt's end), and
+        the request computes the rest here once it is committed (peer fetch);
         `hold_kv`: keep its blocks after it finishes until `release_kv` (for export).
         `resume_token_ids`: output an earlier attempt already produced; the request goes
         on from there exactly as the uninterrupted one would (sampling is a function of
@@ -141,6 +143,8 @@ class LLMEngine(KVConnector):
         resumed = list(resume_token_ids or [])
         self._check_prompt(token_ids + resumed)
         check_token_ids(params.stop_token_ids, self.spec.vocab_size, "stop_token_ids")
+        if kv_prefix_end is not None:
+            self._check_prefix_end(kv_prefix_end, len(token_ids), await_kv)
         room = self.context_limit - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         if len(resumed) >= max_tokens:
@@ -154,7 +158,7 @@ class LLMEngine(KVConnector):
             eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
             status=RequestStatus.WAITING_FOR_KV if await_kv else RequestStatus.WAITING,
             hold_kv=hold_kv, resumed_token_ids=resumed,
-            tenant=tenant if tenant is not None else namespace)
+            tenant=tenant if tenant is not None else namespace, kv_prefix_end=kv_prefix_end)
         req.update_block_hashes(self.block_size)
         self.scheduler.add(req)
         self.detokenizer.add(request_id, params.logprobs is not None)
@@ -165,6 +169,16 @@ class LLMEngine(KVConnector):
         """Prompt + output tokens one request can reach: max_model_len, or less when the
         KV pool is smaller. Workers advertise it as their max_model_len."""
         return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def _check_prefix_end(self, end: int, num_prompt_tokens: int, await_kv: bool) -> None:
+        if not await_kv:
+            raise InvalidRequestError("kv_prefix_end is for a request that awaits KV",
+                                      field="kv_prefix_end")
+        if end <= 0 or end % self.block_size or end > num_prompt_tokens - 1:
+            raise InvalidRequestError(
+                f"kv_prefix_end={end} must be a positive multiple of the block size "
+                f"({self.block_size}) below the prompt's last token ({num_prompt_tokens})",
+                field="kv_prefix_end")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         check_length(len(token_ids), None, self.context_limit)
@@ -309,6 +323,35 @@ class LLMEngine(KVConnector):
         self._held[request_id] = req
         return req.all_token_ids[-1]
 
+    def hold_prefix(self, request_id: str, token_ids: list[int], *,
+                    namespace: str | None = None, tenant: str | None = None) -> int:
+        """Peer fetch, the holder's side: holds the longest prefix of `token_ids` that this
+        engine has cached (in the pool, or brought up from its tiers), in whole blocks,
+        for `export_kv` and `release_kv`, as a finished hold_kv request would. Nothing is
+        computed and nothing waits for a step or a free sequence slot. Returns how many
+        tokens it holds (0: none, and nothing is held)."""
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      field="request_id")
+        self._check_prompt(token_ids)
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(token_ids),
+            params=SamplingParams(max_tokens=1), seed=0,
+            cache_root=root_hash(self.fingerprint, namespace), max_tokens=1,
+            eos_token_ids=self.eos_token_ids, arrival_time=time.monotonic(),
+            status=RequestStatus.FINISHED_STOPPED, hold_kv=True,
+            tenant=tenant if tenant is not None else namespace)
+        req.update_block_hashes(self.block_size)
+        every_block = len(token_ids) + 1  # nothing is computed: the last block may hit too
+        if self.scheduler.promote is not None:
+            self.scheduler.promote(req.block_hashes, every_block, req.tenant)
+        hit = self.kv.computed_prefix(req.block_hashes, every_block)
+        if not hit or self.kv.allocate(request_id, len(hit) * self.block_size, hit) is None:
+            return 0
+        req.num_computed_tokens = len(hit) * self.block_size
+        self._held[request_id] = req
+        return req.num_computed_tokens
+
     def export_kv(self, request_id: str) -> KVRange:
         req = self._held.get(request_id)
         if req is None:
@@ -331,9 +374,9 @@ class LLMEngine(KVConnector):
             table = self.kv.block_table(request_id)
             if not table:
                 return None
-        first = req.num_computed_tokens // self.block_size
-        return KVRange(table[first:], req.block_hashes[first:], req.num_computed_tokens,
-                       req.num_prefill_tokens)
+        first, end = req.num_computed_tokens // self.block_size, req.kv_import_end
+        return KVRange(table[first:], req.block_hashes[first:end // self.block_size],
+                       req.num_computed_tokens, end)
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         # [2, len(block_ids), block_size, num_kv_heads, head_dim]
@@ -343,10 +386,13 @@ class LLMEngine(KVConnector):
         self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)] = kv.to(
             self.kv_cache.device, self.kv_cache.dtype)
 
-    def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
+    def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         req = self.scheduler.awaiting_kv.get(request_id)
         if req is None or not self.kv.block_table(request_id):
             raise KVImportError(f"request {request_id!r} has no reserved KV blocks to commit")
+        if req.kv_prefix_end is not None:  # the sender's token follows the prefix: unused
+            self.scheduler.commit_imported(req, None)
+            return None
         self.scheduler.commit_imported(req, first_token_id)
         return self._outputs([req], {}, 0)[0]
 

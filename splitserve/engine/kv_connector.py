@@ -9,6 +9,7 @@ As in vLLM v1, the connector has two roles, here seen from the engine's side:
       request_state(id)           a live request: status, prompt range, block hashes
       kv_import_target(id)        reserve blocks for a WAITING_FOR_KV prompt -> KVRange
       commit_kv(id, first_token)  the imported KV is complete: decode from the next token
+                                  (a prefix import: prefill the rest here)
       fail_kv(id, recompute)      the import failed: free the blocks; prefill here or drop
       export_kv(id)               the prompt blocks of a finished hold_kv request -> KVRange
       release_kv(id)              free them (idempotent)
@@ -88,9 +89,11 @@ class KVConnectorScheduler(Protocol):
         fill (a local prefix hit is not transferred again); None while the pool has no
         room. KVImportError if the request is not waiting for KV."""
 
-    def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
+    def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """The imported prompt KV is complete and verified: the request runs from its
-        first output token on. KVImportError if it has no reserved blocks."""
+        first output token on (its output). After a prefix import (`kv_prefix_end`) it
+        prefills the rest of its prompt here instead: None. KVImportError if it has no
+        reserved blocks."""
 
     def fail_kv(self, request_id: str, recompute: bool) -> None:
         """The import failed: its reserved blocks are freed, then the request is

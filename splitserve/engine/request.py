@@ -57,6 +57,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
+    # A prefix import (peer fetch): only tokens [0, kv_prefix_end) of a WAITING_FOR_KV
+    # request are imported; it computes the rest itself. None: the whole prefill range.
+    kv_prefix_end: int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | str | None = None
 
@@ -77,6 +80,11 @@ class Request:
         """Tokens known at admission (prompt + resumed output): what a prefill computes
         or a KV import provides before the first new token is sampled."""
         return len(self.prompt_token_ids) + len(self.resumed_token_ids)
+
+    @property
+    def kv_import_end(self) -> int:
+        """Where the KV an import provides ends: the prefix, or the whole prefill range."""
+        return self.num_prefill_tokens if self.kv_prefix_end is None else self.kv_prefix_end
 
     @property
     def num_output_tokens(self) -> int:

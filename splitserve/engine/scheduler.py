@@ -117,10 +117,11 @@ class Scheduler:
         for req in self.awaiting_kv.values():
             if self.kv.block_table(req.request_id):
                 continue
+            end = req.kv_import_end
             if self.promote is not None:
-                self.promote(req.block_hashes, req.num_prefill_tokens, req.tenant)
-            hit = self.kv.computed_prefix(req.block_hashes, req.num_prefill_tokens)
-            if self.kv.allocate(req.request_id, req.num_prefill_tokens, hit) is None:
+                self.promote(req.block_hashes, end, req.tenant)
+            hit = self.kv.computed_prefix(req.block_hashes, end)
+            if self.kv.allocate(req.request_id, end, hit) is None:
                 return  # keep arrival order: later ones wait too
             req.num_computed_tokens = len(hit) * self.block_size
             req.num_cached_tokens = req.num_computed_tokens
@@ -180,15 +181,20 @@ class Scheduler:
             self._retire(req)
 
     # -- imported KV --------------------------------------------------------------------------
-    def commit_imported(self, req: Request, first_token_id: int) -> None:
-        """The prompt's KV is in place: the request runs from its first output token on."""
+    def commit_imported(self, req: Request, first_token_id: int | None) -> None:
+        """The imported KV is in place: the request runs from its first output token on
+        (`first_token_id`), or, after a prefix import, prefills the rest of its prompt here
+        (None; as a running request mid-prefill, so its imported blocks stay its own)."""
         del self.awaiting_kv[req.request_id]
-        req.num_computed_tokens = req.num_prefill_tokens
+        req.num_computed_tokens = req.kv_import_end
         self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens,
                              req.cache_root, req.tenant)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self.append_token(req, first_token_id)
+        if first_token_id is None:
+            req.num_cached_tokens = req.num_computed_tokens  # a peer's hit is a hit
+        else:
+            self.append_token(req, first_token_id)
 
     def fail_import(self, request_id: str, recompute: bool) -> Request | None:
         """The request's import failed: its reserved blocks go back to the pool and it
@@ -199,6 +205,7 @@ class Scheduler:
             return None
         self.kv.free(request_id)
         req.num_computed_tokens = 0
+        req.kv_prefix_end = None
         if recompute:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)

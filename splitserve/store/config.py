@@ -1,5 +1,6 @@
-"""The KV store's knobs (CLI `--kv-host-bytes`, `--kv-disk-dir`, `--kv-disk-bytes`,
-`--kv-peer-fetch/--no-kv-peer-fetch`, and YAML), checked when built."""
+"""The KV store's knobs on one worker (CLI `--kv-host-bytes`, `--kv-disk-dir`,
+`--kv-disk-bytes`, and YAML), checked when built. Peer fetch (`--kv-peer-fetch`) is the
+router's choice (RouterConfig.peer_fetch): every worker can export what it holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ class StoreConfig:
     disk_bytes: int = 0  # disk tier size (payload bytes); required with disk_dir
     disk_admission: str = DiskAdmission.REUSED  # "reused" (DESIGN.md 6) or "all"
     tenant_quota_bytes: int | None = None  # per tenant, in each tier; None: no quota
-    peer_fetch: bool = True  # fetch blocks other workers' tiers hold
     disk_fsync: bool = False  # fsync each block file (survives power loss; slower writes)
     disk_queue_blocks: int = 64  # blocks waiting for the disk writer before BUSY
 

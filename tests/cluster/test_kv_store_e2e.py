@@ -219,3 +219,69 @@ def test_a_prefill_workers_tier_serves_the_decode_worker_over_the_wire(
     assert run(a, "alice", 8) == (cold, HIT_TOKENS)
     assert _wait_for(lambda: hits("prefill-0") >= 9), hits("prefill-0")
     assert hits("decode-0") == 0
+
+
+def _peer_fetches(server: Any, outcome: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
+               if line.startswith("splitserve_kv_peer_fetches_total{")
+               and f'outcome="{outcome}"' in line)
+
+
+def test_a_busy_workers_host_tier_serves_its_peer(start_server: Any) -> None:
+    """Two colocated workers of one sequence each (`--max-num-seqs 1`): b is computed on Q
+    while P streams, then pushed out of Q's pool into its host tier. Later Q streams (its
+    prompt hits Q's cache, so it goes there) and b must go to P: P imports b's prefix from
+    Q's host tier over the transfer layer (Q holds it without computing, between two of
+    its steps) and prefills only the last block. Same text as the cold run, 144 cached
+    tokens, the fetch in the metrics, while Q's stream goes on (bf16, concurrent)."""
+    server = start_server(
+        "--mode", "agg", "--decode", "2", "--max-num-seqs", "1", "--max-model-len", "384",
+        "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
+        "--kv-host-bytes", str(64 * BLOCK_BYTES), "--enable-prompt-tokens-details")
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+
+    def run(prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+
+    def hits(worker: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1])
+                   for line in server.get_text("/metrics").splitlines()
+                   if line.startswith("splitserve_kv_tier_hits_total{")
+                   and f'worker="{worker}"' in line)
+
+    def stream_on(prompt: list[int], not_on: str | None = None) -> tuple[threading.Thread, str]:
+        """A long stream in the background; the worker it runs on."""
+        thread = threading.Thread(target=run, args=(prompt, 300), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not (busy := [w["id"] for w in server.workers()
+                            if w["requests"] and w["id"] != not_on]):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        return thread, busy[0]
+
+    b, key = _prompt(7), _prompt(60)[:40]  # key: Q's stream later (2 blocks to hit)
+    first, p = stream_on(_prompt(61)[:16])
+    cold, _ = run(b)  # P has no room: b goes to Q
+    run(key, 1)
+    for seed in range(500, 504):  # Q's pool only (P still streams): b to Q's host tier
+        run(_prompt(seed), 1)
+    q = next(w["id"] for w in server.workers() if w["id"] != p)
+    first.join(300)
+    assert not first.is_alive()
+    health = server.get_json("/admin/health")
+    assert health["index"]["tiers"][q]["host"] >= 9, health["index"]
+    q_hits = hits(q)
+    second, busy = stream_on(key)  # key hits Q's cache: Q streams
+    assert busy == q, (busy, q)
+    assert run(b) == (cold, HIT_TOKENS)  # on P, b's first 9 blocks from Q's host tier
+    second.join(300)
+    assert not second.is_alive()
+    assert _peer_fetches(server, "committed") == 1, server.get_text("/metrics")
+    assert server.get_json("/admin/health")["index"]["routed_peer_fetches"] == 1
+    assert _wait_for(lambda: hits(q) >= q_hits + 9), (hits(q), q_hits)
+    assert hits(p) == 0  # P brought nothing up from its own tiers

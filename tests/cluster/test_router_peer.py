@@ -61,24 +61,24 @@ def test_the_holder_with_the_largest_net_gain_is_taken() -> None:
     """c holds more than a, but a's prefix arrives sooner: the larger gain - cost wins."""
     req = request(512)
     router = make(("a", Role.BOTH, FULL), ("b", Role.BOTH, load()),
-                  ("c", Role.BOTH, load(running=4, waiting=4, waiting_tokens=400,
-                                        max_num_seqs=8)), peer_fetch=True)
+                  ("c", Role.BOTH, load(running=40, max_num_seqs=40)), peer_fetch=True)
     cache(router, "a", req, 24)
-    cache(router, "c", req, 31)  # c's queue: 4 * prefill(100) = 287 ms
+    cache(router, "c", req, 31)  # c's step with 41 sequences: 184 ms; a's with 9: 56 ms
     assert peer_of(router.route(req)) == ("b", 384, "a")
-    router.update_load("c", load(running=7, waiting=1, waiting_tokens=16, max_num_seqs=8))
+    router.update_load("c", load(running=8, max_num_seqs=8))  # as full, as quick as a
     assert peer_of(router.route(req)) == ("b", 496, "c")
 
 
-@pytest.mark.parametrize("slow", ["transfer", "queue"])
+@pytest.mark.parametrize("slow", ["transfer", "step"])
 def test_no_peer_when_recomputing_is_predicted_faster(slow: str) -> None:
     """Gain 512 -> 16 uncached tokens: 331 ms. A 10 MB/s link moves the 496 tokens in
-    1.1 s; a holder queue of 4 * prefill(500) is 1.35 s. Fast link, short queue: fetched."""
+    1.1 s; a holder step with 400 sequences takes 1.6 s. Fast link, small batch: fetched.
+    A holder's queue of waiting prompts does not count: it exports between two steps."""
     req = request(512)
     for is_slow in (True, False):
         bandwidth = 1e7 if is_slow and slow == "transfer" else 2e9
-        tokens = 2000 if is_slow and slow == "queue" else 40
-        holder = load(running=4, waiting=4, waiting_tokens=tokens, max_num_seqs=8)
+        running = 400 if is_slow and slow == "step" else 4
+        holder = load(running=running, waiting=4, waiting_tokens=4000, max_num_seqs=512)
         router = make(("a", Role.BOTH, holder), ("b", Role.BOTH, load()),
                       peer_fetch=True, transfer_bandwidth_bytes_s=bandwidth)
         cache(router, "a", req, 32)
@@ -149,8 +149,9 @@ def test_dispatch_books_the_holder_and_finish_drops_both_shares() -> None:
     router.on_dispatched(decision, req)
     a, b = router.worker_state("a"), router.worker_state("b")
     assert a is not None and b is not None
-    assert a.in_flight == InFlight(num_waiting=1, num_waiting_tokens=BS, kv_blocks=20)
-    assert b.in_flight == InFlight(num_waiting=1, num_waiting_tokens=192, kv_blocks=12)
+    # The holder holds 20 blocks and computes nothing; b fills 32 new blocks (20 fetched).
+    assert a.in_flight == InFlight(kv_blocks=20)
+    assert b.in_flight == InFlight(num_waiting=1, num_waiting_tokens=192, kv_blocks=32)
     router.on_finished(req.request_id)
     assert a.in_flight == InFlight() and b.in_flight == InFlight()
     assert a.pending == {} and b.pending == {}

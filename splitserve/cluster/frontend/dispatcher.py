@@ -170,12 +170,24 @@ class Dispatcher:
         req, aid = flight.request, flight.attempt_id
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
+        peer = decision.peer
         self._hold(flight, decode)
         self.link.send(decode.identity, P.Generate(
-            aid, req.prompt_token_ids, req.params, req.namespace, await_kv=remote,
-            kv_timeout_s=self.deadlines.kv_timeout_s,
-            recompute_on_failure=self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE,
-            resume_token_ids=flight.resumed, tenant=req.tenant))
+            aid, req.prompt_token_ids, req.params, req.namespace,
+            await_kv=remote or peer is not None, kv_timeout_s=self.deadlines.kv_timeout_s,
+            recompute_on_failure=peer is not None
+            or self.retry.kv_failure_policy is KVFailurePolicy.RECOMPUTE,
+            resume_token_ids=flight.resumed, tenant=req.tenant,
+            kv_prefix_end=None if peer is None else peer.num_tokens))
+        if peer is not None:
+            holder = self.table.by_id[peer.worker]
+            flight.peer_worker = holder.identity
+            self._hold(flight, holder)
+            self.link.send(holder.identity, P.ExportPrefix(
+                aid, req.prompt_token_ids[:peer.num_tokens], req.namespace,
+                self.deadlines.kv_timeout_s, req.tenant))
+            self.metrics.peer_fetches.labels("started").inc()
+            self.metrics.peer_fetch_tokens.inc(peer.num_tokens)
         if decision.prefill_worker is not None:
             prefill = self.table.by_id[decision.prefill_worker]
             flight.prefill_worker = prefill.identity
@@ -273,8 +285,13 @@ class Dispatcher:
             return
         for aid in list(worker.request_ids):
             flight = self.flights.attempt(aid)
-            if flight is not None and flight.needs(worker.identity):
+            if flight is None:
+                continue
+            if flight.needs(worker.identity):
                 self.fail_attempt(flight, FailureKind.WORKER_DEAD, WorkerFailed(why))
+            elif (flight.peer_worker == worker.identity
+                  and worker.identity not in flight.done_workers):
+                self._peer_failed(flight)
 
     async def _reaper(self) -> None:
         """Every 50 ms: requests past a deadline (queue: fail; a stalled stage: retry;
@@ -353,18 +370,43 @@ class Dispatcher:
 
     def _on_kv_plan(self, worker: WorkerInfo, msg: P.KVPlanReady) -> None:
         flight = self._current(worker, msg.request_id)
-        if flight is None or flight.prefill_worker is None:
+        if flight is None:
             return
-        prefill = self.table.get(flight.prefill_worker)
-        if prefill is None or not prefill.healthy:
-            self.fail_attempt(flight, FailureKind.WORKER_DEAD,
-                              WorkerFailed("the prefill worker left before the KV plan"))
+        sender = flight.prefill_worker or flight.peer_worker
+        info = None if sender is None else self.table.get(sender)
+        if sender is None or sender in flight.done_workers:
             return
-        self.link.send(prefill.identity, P.KVPlan(msg.request_id, msg.plan))
+        if info is None or not info.healthy:
+            if sender == flight.peer_worker:
+                self._peer_failed(flight)
+            else:
+                self.fail_attempt(flight, FailureKind.WORKER_DEAD,
+                                  WorkerFailed("the prefill worker left before the KV plan"))
+            return
+        self.link.send(info.identity, P.KVPlan(msg.request_id, msg.plan))
+
+    def _peer_failed(self, flight: Flight) -> None:
+        """The prefix's holder failed, left or gave up: the decode worker prefills it all
+        (it may have fallen back already; then CancelImport is a no-op there)."""
+        assert flight.peer_worker is not None and flight.decision is not None
+        if flight.peer_worker in flight.done_workers:
+            return  # told already
+        flight.done_workers.add(flight.peer_worker)
+        self.metrics.peer_fetches.labels("failed").inc()
+        decode = self.table.by_id.get(flight.decision.decode_worker)
+        if decode is not None and decode.healthy:
+            self.link.send(decode.identity, P.CancelImport(flight.attempt_id))
 
     def _on_prefill_done(self, worker: WorkerInfo, msg: P.PrefillDone) -> None:
         flight = self._current(worker, msg.request_id)
         if flight is None:
+            return
+        if worker.identity == flight.peer_worker:
+            if msg.handed_off:
+                self.metrics.peer_fetches.labels("committed").inc()
+                flight.done_workers.add(worker.identity)
+            else:
+                self._peer_failed(flight)
             return
         flight.done_workers.add(worker.identity)
         if msg.handed_off and flight.first_token_at is not None:
@@ -408,6 +450,12 @@ class Dispatcher:
         flight = self._current(worker, msg.request_id)
         if flight is None:
             self.metrics.failures.labels(msg.kind.value).inc()
+            return
+        if worker.identity == flight.peer_worker:
+            logger.warning("request %s: %s could not export its prefix (%s: %s); the decode "
+                           "worker prefills it", msg.request_id, worker.worker_id,
+                           msg.kind.value, msg.message)
+            self._peer_failed(flight)
             return
         flight.done_workers.add(worker.identity)
         error: SplitserveError

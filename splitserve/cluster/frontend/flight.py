@@ -69,6 +69,9 @@ class Flight:
     workers: set[bytes] = field(default_factory=set)  # identities holding state for it
     done_workers: set[bytes] = field(default_factory=set)  # hold nothing for it any more
     prefill_worker: bytes | None = None
+    # Peer fetch: the worker exporting the prompt's prefix to the decode worker. Never
+    # needed: if it fails, the decode worker is told to prefill it all (CancelImport).
+    peer_worker: bytes | None = None
     # The decode worker's outputs that came before the prefill worker's token 1 (`hold`).
     held: list[tuple[bytes, Output]] = field(default_factory=list)
     dispatched_at: float | None = None
@@ -88,7 +91,7 @@ class Flight:
     def needs(self, identity: bytes) -> bool:
         """Whether the current attempt still depends on that worker: not once it holds
         nothing for it, nor a prefill worker once the decode worker streams."""
-        if identity in self.done_workers:
+        if identity in self.done_workers or identity == self.peer_worker:
             return False
         return not (identity == self.prefill_worker and self.state >= FlightState.DECODE)
 
@@ -121,7 +124,7 @@ class Flight:
         self.workers.clear()
         self.done_workers.clear()
         self.held.clear()
-        self.prefill_worker = self.decision = None
+        self.prefill_worker = self.peer_worker = self.decision = None
         self.expected_hit = None  # resumed attempts' hits are not the router's prediction
         self.advance(FlightState.PREFILL, now, deadlines)  # until it streams a new token
         return self.attempt_id

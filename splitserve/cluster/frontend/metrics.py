@@ -148,6 +148,12 @@ class Metrics:
         self.reprefills = Counter("splitserve_reprefills", "Failed KV imports the decode "
                                   "worker recomputed locally (--kv-failure-policy recompute)",
                                   registry=r)
+        self.peer_fetches = Counter("splitserve_kv_peer_fetches", "Prompt prefixes fetched "
+                                    "from another worker's pool or tiers, by outcome "
+                                    "(started, committed, failed)", ["outcome"], registry=r)
+        self.peer_fetch_tokens = Counter("splitserve_kv_peer_fetch_tokens", "Prompt tokens "
+                                         "of the prefixes fetched from peers (started)",
+                                         registry=r)
         self.stale_routes = Counter("splitserve_stale_routes", "Routed prefix hits the worker "
                                     "no longer had (index entries invalidated, resynced)",
                                     registry=r)

@@ -97,7 +97,7 @@ class Routing:
     def _commit(self, flight: Flight, decision: RouteDecision) -> None:
         self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
         self._book(flight, decision)
-        if flight.attempt == 0:
+        if flight.attempt == 0 and decision.peer is None:  # a peer's prefix is not cached
             flight.expected_hit = decision.num_cached_tokens
         for worker_id, hashes in self.router.take_evictions().items():
             worker = self.workers.table.by_id.get(worker_id)

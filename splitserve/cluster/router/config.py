@@ -68,6 +68,11 @@ class RouterConfig:
     service_rate_window_s: float = 30.0
     # Distinct cached blocks a tenant may keep in the cluster; None: no cap.
     tenant_max_cached_blocks: int | None = None
+    # Peer fetch (--kv-peer-fetch): a local decision may import a longer prefix another
+    # worker holds (pool or tiers) when that is predicted faster than recomputing it, and
+    # at least this many blocks longer than the decode worker's own hit.
+    peer_fetch: bool = False  # the cluster turns it on unless --no-kv-peer-fetch
+    peer_min_blocks: int = 2
     cost: CostModelConfig = field(default_factory=CostModelConfig)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,9 @@ class RouterConfig:
         if self.tenant_max_cached_blocks is not None and self.tenant_max_cached_blocks < 0:
             raise ValueError(f"tenant_max_cached_blocks={self.tenant_max_cached_blocks} "
                              f"must be >= 0 or None")
+        if self.peer_min_blocks < 1:
+            raise ValueError(f"peer_min_blocks={self.peer_min_blocks} must be >= 1 (a peer "
+                             f"fetch must bring at least one block the worker lacks)")
         if isinstance(self.disagg, str):
             # NOTE: frozen; normalizing once here lets `policy` be a plain read.
             object.__setattr__(self, "disagg", DisaggPolicy.from_name(self.disagg))

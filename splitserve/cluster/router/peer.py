@@ -7,8 +7,9 @@ For decode worker d, holder w (any other worker, any role), both hits capped to 
 the prompt's last token to compute, and N = w's capped hit in tokens:
 
     gain(w) = prefill_s(d) - prefill_d(T - N)          d's own hit -> N tokens cached
-    cost(w) = queue(w) + tier_load(w) + step(w)        the export waits, loads, one step
-            + latency + (N - cached(d)) * kv_bytes_per_token / bandwidth
+    cost(w) = step(w) + tier_load(w)                   w's engine thread holds the prefix
+            + latency + (N - cached(d)) * kv_bytes_per_token   between two steps (nothing
+              / bandwidth                                       queues or is computed)
 
 A holder is a candidate when its hit is at least `peer_min_blocks` longer than d's; the
 one with the largest gain - cost is taken when gain > cost.
@@ -32,7 +33,7 @@ class PeerOption(NamedTuple):
     column: int  # the holder's index into the scores
     num_tokens: int  # N: the prefix it exports, whole blocks, below the prompt's end
     gain_s: float  # d's prefill time the prefix saves
-    cost_s: float  # the holder's queue, tier loads and step, and the transfer
+    cost_s: float  # the holder's step and tier loads, and the transfer
 
 
 def best_peer(s: Scores, hit_blocks: np.ndarray, load_s: np.ndarray | None, d: int,
@@ -56,7 +57,9 @@ def best_peer(s: Scores, hit_blocks: np.ndarray, load_s: np.ndarray | None, d: i
     # Only what d lacks crosses the wire: d keeps its own cached prefix.
     transfer = (config.transfer_latency_s + (n - s.num_cached_tokens[d])
                 * (kv.kv_bytes_per_token / config.transfer_bandwidth_bytes_s))
-    cost = s.queue_s + s.step_s + transfer
+    # The holder exports between two of its steps (engine.hold_prefix): its queue of
+    # waiting prompts does not delay it, its current step does.
+    cost = s.step_s + transfer
     if load_s is not None:
         cost = cost + load_s
     net = np.where(is_candidate, gain - cost, -np.inf)

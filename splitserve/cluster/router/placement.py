@@ -36,15 +36,28 @@ class RouteReason(IntEnum):
     TPOT_BUDGET = 7  # local was cheaper but would push D's decodes over tpot_slo_s
 
 
+@dataclass(frozen=True, slots=True)
+class PeerFetch:
+    """A prefix the decode worker imports from another worker's pool or tiers before it
+    prefills the rest itself (a local decision only: a remote prefill worker is already
+    chosen for its own hit)."""
+
+    worker: str  # holds the prefix; exports it (ExportPrefix) without computing it
+    num_tokens: int  # the prefix [0, num_tokens): whole blocks, below the prompt's end
+    predicted_s: float  # the holder's queue + its tier loads + one step + the transfer
+
+
 @dataclass(slots=True)
 class RouteDecision:
-    """Where a request goes; `prefill_worker` None: the decode worker prefills."""
+    """Where a request goes; `prefill_worker` None: the decode worker prefills (after
+    importing `peer`'s prefix, when set)."""
 
     decode_worker: str
     prefill_worker: str | None
     reason: RouteReason
     predicted_s: float  # queue + prefill (+ transfer) + first decode step, unweighted
-    num_cached_tokens: int  # prompt tokens cached on the worker that prefills
+    num_cached_tokens: int  # prompt tokens cached on the worker that prefills (or fetched)
+    peer: PeerFetch | None = None
 
     @staticmethod
     def local(scores: Scores, d: int, worker_ids: list[str],

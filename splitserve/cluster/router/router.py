@@ -34,8 +34,9 @@ index (the last block is always recomputed, as the engine does) and `u = T - cac
                    + load_weight * step(D) + memory_weight * memory(D)
     peer(D, W)     = with peer_fetch, a local D may import the N-token prefix W holds
                    (pool or tiers, >= peer_min_blocks longer than D's) when gain =
-                   prefill(D) - full(T - N) > cost = queue(W) + tier load(W) + step(W)
-                   + transfer(N - D's cached); the largest gain - cost wins (peer.py)
+                   prefill(D) - full(T - N) > cost = step(W) + tier load(W)
+                   + transfer(N - D's cached); the largest gain - cost wins (peer.py;
+                   W holds the prefix between two steps, nothing queued or computed)
 
 scoring.py evaluates these for all workers at once. A worker is over budget when
 running + waiting >= max_num_seqs or its free KV blocks
@@ -329,14 +330,14 @@ class Router:
             shares[decision.decode_worker] = InFlight(num_running=1, kv_blocks=num_blocks)
         else:
             uncached = req.num_prompt_tokens - decision.num_cached_tokens
-            shares[decision.decode_worker] = InFlight(
-                num_waiting=1, num_waiting_tokens=uncached,
-                kv_blocks=num_blocks - decision.num_cached_tokens // bs)
             peer = decision.peer
-            if peer is not None:  # the holder briefly holds the prefix, computes its last block
+            # A fetched prefix lands in new blocks of D's; a local hit shares cached ones.
+            shared_blocks = 0 if peer is not None else decision.num_cached_tokens // bs
+            shares[decision.decode_worker] = InFlight(
+                num_waiting=1, num_waiting_tokens=uncached, kv_blocks=num_blocks - shared_blocks)
+            if peer is not None:  # the holder holds the prefix (up from its tiers, maybe)
                 assert peer.worker != decision.decode_worker
-                shares[peer.worker] = InFlight(num_waiting=1, num_waiting_tokens=bs,
-                                               kv_blocks=peer.num_tokens // bs)
+                shares[peer.worker] = InFlight(kv_blocks=peer.num_tokens // bs)
             worker = self._workers.get(decision.decode_worker)
             if worker is not None and self._horizon_s:
                 worker.local_prefills.append((self._clock(),

@@ -9,6 +9,8 @@ KV) arrives later, relayed as KVPlan. Whichever comes first:
     no plan within kv_timeout_s       -> the KV is released unsent
     the transfer ends (either way)    -> PrefillDone(handed_off = the receiver committed)
 
+A peer's prefix (ExportPrefix, `hold_prefix`) is held at once, as a finished prefill's.
+
 Everything here runs on the worker's engine thread.
 """
 from __future__ import annotations
@@ -44,6 +46,22 @@ class Handoffs:
     def add(self, request_id: str, namespace: str | None, kv_timeout_s: float) -> None:
         """A prefill whose KV goes to a decode worker (added with hold_kv=True)."""
         self._pending[request_id] = _Pending(namespace, time.monotonic() + kv_timeout_s)
+
+    def hold_prefix(self, request_id: str, prefix: list[int], namespace: str | None,
+                    tenant: str | None, kv_timeout_s: float) -> int:
+        """Peer fetch, the holder's side (ExportPrefix): holds the prefix at once (the pool's
+        blocks, brought up from the tiers first; nothing computed) and sends it when the
+        importer's plan comes, as a finished prefill's KV. Returns the tokens held; less
+        than the prefix: nothing is held or sent (the importer then prefills it all)."""
+        held = self.engine.hold_prefix(request_id, prefix, namespace=namespace, tenant=tenant)
+        if held < len(prefix):
+            self.engine.release_kv(request_id)
+            return held
+        self.add(request_id, namespace, kv_timeout_s)
+        # The trailer carries the token after a prefill; an importer of a prefix ignores
+        # it (engine.commit_kv), so the prefix's last token stands in.
+        self.on_prefilled(request_id, prefix[-1])
+        return held
 
     def on_prefilled(self, request_id: str, first_token_id: int) -> None:
         """The prefill finished and its KV is held: send it now if the plan came."""

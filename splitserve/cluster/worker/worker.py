@@ -209,6 +209,10 @@ class Worker:
             self._generate(msg)
         elif isinstance(msg, P.Prefill):
             self._prefill(msg)
+        elif isinstance(msg, P.ExportPrefix):
+            self._export_prefix(msg)
+        elif isinstance(msg, P.CancelImport):
+            self._cancel_import(msg.request_id)
         elif isinstance(msg, P.KVPlan):
             self._kv_plan(msg)
         elif isinstance(msg, P.Migrate):
@@ -277,10 +281,13 @@ class Worker:
         if self._inject(self.faults.fire("generate"), rid):
             return
         if not self._add(rid, msg.prompt_token_ids, msg.params, msg.namespace,
-                         await_kv=msg.await_kv, resume_token_ids=resumed, tenant=msg.tenant):
+                         await_kv=msg.await_kv, resume_token_ids=resumed, tenant=msg.tenant,
+                         kv_prefix_end=msg.kv_prefix_end):
             return
-        # The engine's logprobs start at the first token sampled here.
-        self.streams[rid] = OutputStream(logprobs_base=len(resumed) + (1 if msg.await_kv else 0))
+        # The engine's logprobs start at the first token sampled here (after a prefix
+        # import, this worker samples token 1 itself).
+        imported_token = msg.await_kv and msg.kv_prefix_end is None
+        self.streams[rid] = OutputStream(logprobs_base=len(resumed) + imported_token)
         if msg.await_kv:
             self.reserving[rid] = (msg, time.monotonic() + msg.kv_timeout_s)
             self._reserve()
@@ -305,6 +312,21 @@ class Worker:
         if hand_off:
             self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
             self._inject(self.faults.fire("transfer"), rid)
+
+    def _export_prefix(self, msg: P.ExportPrefix) -> None:
+        rid, prefix = msg.request_id, msg.prompt_token_ids
+        held = self.handoffs.hold_prefix(rid, prefix, msg.namespace, msg.tenant,
+                                         msg.kv_timeout_s)
+        if held < len(prefix):
+            self._fail(rid, FailureKind.KV_TRANSFER, f"{self.spec.worker_id} holds {held} of "
+                       f"the prefix's {len(prefix)} tokens (evicted since it was routed)")
+
+    def _cancel_import(self, rid: str) -> None:
+        """The prefix's holder failed: prefill the whole prompt here, now."""
+        if self.reserving.pop(rid, None) is not None:
+            self.engine.fail_kv(rid, recompute=True)
+        elif self.receiver is not None:
+            self.receiver.cancel(rid)  # the next poll frees its blocks; it recomputes
 
     def _migrate(self, msg: P.Migrate) -> None:
         """Stops decoding the request and holds its KV for the plan of the worker it moves
