@@ -52,12 +52,19 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
             pos += n
     else:
         cores = split_cores(sorted(os.sched_getaffinity(0)), [n for _, n in pools])
+    threads = config.threads_per_worker
+    if threads is None and config.planner == "on":
+        # Workers the planner adds share these cores: size every worker's threads for
+        # the whole budget now, or the added ones oversubscribe the cores (launcher
+        # `_thread_share`).
+        available = len(os.sched_getaffinity(0))
+        threads = max(1, available // (config.planner_max_workers or available))
     specs = []
     for (role, n), pool_cores in zip(pools, cores):
         for index in range(n):
             engine_args = dict(config.engine_args())
-            if config.threads_per_worker:
-                engine_args["num_threads"] = config.threads_per_worker
+            if threads:
+                engine_args["num_threads"] = threads
             specs.append(WorkerSpec(role=role, index=index, epoch=1,
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=pool_cores[index] or None,
@@ -333,13 +340,33 @@ class Cluster:
         template = same[0] if same else self.handles[0].spec  # engine args are the pool's
         index = 1 + max((s.index for s in same), default=-1)
         spec = replace(template, role=role, index=index, epoch=1,
-                       store=store_options(self.config.store, f"{role.value}-{index}"))
+                       store=store_options(self.config.store, f"{role.value}-{index}"),
+                       engine_args=self._thread_share(template))
         spec = replace(spec, epoch=self._next_epoch(spec.worker_id, 1))
         self._load_times.started(spec.identity, time.monotonic())
         self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(
             spec.identity)))
         logger.info("added %s", spec.worker_id)
         return spec.worker_id
+
+    def _thread_share(self, template: WorkerSpec) -> dict[str, Any]:
+        """The added worker's engine arguments: the template's, with its share of the
+        cores it is pinned to when live workers use them too (one thread per pinned core
+        each would oversubscribe them: OpenMP teams spin and every step slows many
+        times). The workers already there keep their threads; --threads-per-worker sets
+        every worker's, and wins."""
+        args = dict(template.engine_args)
+        cores = set(template.cpu_cores or ())
+        if args.get("num_threads") or not cores:
+            return args
+        used = sum(h.spec.num_threads or 0 for h in self.handles
+                   if cores & set(h.spec.cpu_cores or ()))
+        args["num_threads"] = max(1, len(cores) - used)
+        if used >= len(cores):
+            logger.warning("the added worker shares cores %s with workers using %d threads; "
+                           "it runs one (set --threads-per-worker for an even split)",
+                           sorted(cores), used)
+        return args
 
     async def switch_role(self, worker_id: str, role: Role,
                           timeout_s: float = 60.0) -> dict[str, object]:

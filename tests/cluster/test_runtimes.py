@@ -41,3 +41,37 @@ def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
     assert [restart_delay(1.0, n) for n in range(4)] == [1.0, 2.0, 4.0, 8.0]
     assert restart_delay(1.0, 10) == restart_delay(1.0, 10_000) == MAX_RESTART_BACKOFF_S
     assert restart_delay(0.0, 3) == 0.0
+
+
+def test_threads_follow_the_setting_then_the_pinned_cores() -> None:
+    assert _spec().num_threads is None
+    assert _spec(cpu_cores=(0, 1)).num_threads == 2
+    assert _spec(cpu_cores=(0, 1), engine_args={"num_threads": 1}).num_threads == 1
+
+
+def test_workers_the_planner_adds_do_not_oversubscribe_the_cores() -> None:
+    """The planner's budget shares the cores: every worker is sized for it at the start,
+    and a worker added onto cores others use gets what they leave (at least one)."""
+    import os
+
+    from splitserve.cluster.launcher import Cluster, worker_specs
+    from splitserve.cluster.runtime import WorkerHandle
+    cores = len(os.sched_getaffinity(0))
+    config = ServeConfig(mode="disagg", prefill=0, decode=1, planner="on",
+                         planner_max_workers=cores, slo_ttft_ms=1000, slo_tpot_ms=100)
+    [spec] = worker_specs(config, "tcp://127.0.0.1:1")
+    assert spec.num_threads == 1 and spec.cpu_cores is not None
+    assert len(spec.cpu_cores) == cores
+    [plain] = worker_specs(ServeConfig(mode="agg", decode=1), "tcp://127.0.0.1:1")
+    assert plain.num_threads == cores  # no planner: one thread per pinned core
+
+    launcher = Cluster(ServeConfig())
+    template = _spec(cpu_cores=(0, 1))
+    launcher.handles = [WorkerHandle(template)]
+    assert launcher._thread_share(template)["num_threads"] == 1  # the first uses both
+    launcher.handles = [WorkerHandle(_spec(cpu_cores=(0, 1), engine_args={"num_threads": 1}))]
+    assert launcher._thread_share(template)["num_threads"] == 1
+    launcher.handles = [WorkerHandle(_spec(cpu_cores=(2, 3)))]
+    assert launcher._thread_share(template)["num_threads"] == 2  # other cores: all its own
+    fixed = _spec(cpu_cores=(0, 1), engine_args={"num_threads": 2})
+    assert launcher._thread_share(fixed)["num_threads"] == 2  # --threads-per-worker wins

@@ -68,10 +68,10 @@ class LocalRuntime(Runtime):
 
 def _worker_env(spec: WorkerSpec) -> dict[str, str]:
     env = dict(os.environ)
-    if spec.cpu_cores:
+    if spec.num_threads:
         # OpenMP reads these before torch starts; the worker also pins and sets threads.
-        env["OMP_NUM_THREADS"] = str(len(spec.cpu_cores))
-        env["MKL_NUM_THREADS"] = str(len(spec.cpu_cores))
+        env["OMP_NUM_THREADS"] = str(spec.num_threads)
+        env["MKL_NUM_THREADS"] = str(spec.num_threads)
     return env
 
 

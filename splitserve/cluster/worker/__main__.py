@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
     setproctitle.setproctitle(f"splitserve-{spec.worker_id}")
     if spec.cpu_cores:
         os.sched_setaffinity(0, spec.cpu_cores)
-        spec = replace(spec, engine_args={**spec.engine_args,
-                                          "num_threads": len(spec.cpu_cores)})
+        spec = replace(spec, engine_args={**spec.engine_args, "num_threads": spec.num_threads})
     worker = Worker(spec, secret)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))

@@ -17,7 +17,9 @@ class WorkerSpec:
     epoch: int  # incarnation: a restarted worker gets a new one (fencing, DESIGN 7)
     frontend_address: str  # ZeroMQ address of the frontend's ROUTER socket
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig.from_kwargs
-    cpu_cores: tuple[int, ...] | None = None  # pin to these cores (and as many threads)
+    # Pin to these cores, with as many torch threads unless engine_args names a number
+    # (--threads-per-worker, or a share of cores other workers use too).
+    cpu_cores: tuple[int, ...] | None = None
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     # The TCP KV listener binds this host with port 0 and publishes the address it got
     # (WorkerReady.kv_address): the node's own address on Ray, loopback locally.
@@ -36,6 +38,12 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # ValueError for an unknown one
+
+    @property
+    def num_threads(self) -> int | None:
+        """Torch (and OpenMP) threads: the engine's setting, else one per pinned core."""
+        threads = self.engine_args.get("num_threads")
+        return int(threads) if threads else len(self.cpu_cores) if self.cpu_cores else None
 
     @property
     def worker_id(self) -> str:
