@@ -4,6 +4,7 @@ drives them through the workers and merges their outputs into one stream per req
     generate(req) --admission--> router.route --+--> D: Generate(await_kv)
                                                  \\-> P: Prefill            (at once)
     D: KVPlanReady --relayed as KVPlan--> P --KV--> D;  P: PrefillDone
+    (peer fetch, peer_fetch.py: H exports a prefix to D, which prefills the rest)
     P: token 1 --\\
     D: tokens 2.. +--> StreamMerger --> StreamDelta --> the HTTP layer
 
@@ -38,6 +39,7 @@ from splitserve.cluster.frontend.interval import IntervalStats
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.frontend.migration import Migrations
+from splitserve.cluster.frontend.peer_fetch import PeerFetches
 from splitserve.cluster.frontend.routing import Routing
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
@@ -79,6 +81,7 @@ class Dispatcher:
         self.interval = IntervalStats(time.monotonic(), slo_ttft_s, slo_tpot_s)  # the planner's
         self.migrations = Migrations(self.flights, self.table, self.link, router, self.metrics,
                                      deadlines, self._hold, self.fail_attempt)
+        self.peers = PeerFetches(self.table, self.link, self.metrics, self._hold)
         self.delivery = Redelivery(self.link, self.flights, self.fail_attempt, self.mark_dead)
         self.link.on_lost = self.delivery.on_lost  # lost sends fail or are resent
         self._tasks: list[asyncio.Task[None]] = []
@@ -180,14 +183,7 @@ class Dispatcher:
             resume_token_ids=flight.resumed, tenant=req.tenant,
             kv_prefix_end=None if peer is None else peer.num_tokens))
         if peer is not None:
-            holder = self.table.by_id[peer.worker]
-            flight.peer_worker = holder.identity
-            self._hold(flight, holder)
-            self.link.send(holder.identity, P.ExportPrefix(
-                aid, req.prompt_token_ids[:peer.num_tokens], req.namespace,
-                self.deadlines.kv_timeout_s, req.tenant))
-            self.metrics.peer_fetches.labels("started").inc()
-            self.metrics.peer_fetch_tokens.inc(peer.num_tokens)
+            self.peers.start(flight, peer, self.deadlines.kv_timeout_s)
         if decision.prefill_worker is not None:
             prefill = self.table.by_id[decision.prefill_worker]
             flight.prefill_worker = prefill.identity
@@ -289,9 +285,8 @@ class Dispatcher:
                 continue
             if flight.needs(worker.identity):
                 self.fail_attempt(flight, FailureKind.WORKER_DEAD, WorkerFailed(why))
-            elif (flight.peer_worker == worker.identity
-                  and worker.identity not in flight.done_workers):
-                self._peer_failed(flight)
+            else:
+                self.peers.on_lost(flight, worker.identity)
 
     async def _reaper(self) -> None:
         """Every 50 ms: requests past a deadline (queue: fail; a stalled stage: retry;
@@ -378,35 +373,19 @@ class Dispatcher:
             return
         if info is None or not info.healthy:
             if sender == flight.peer_worker:
-                self._peer_failed(flight)
+                self.peers.failed(flight)
             else:
                 self.fail_attempt(flight, FailureKind.WORKER_DEAD,
                                   WorkerFailed("the prefill worker left before the KV plan"))
             return
         self.link.send(info.identity, P.KVPlan(msg.request_id, msg.plan))
 
-    def _peer_failed(self, flight: Flight) -> None:
-        """The prefix's holder failed, left or gave up: the decode worker prefills it all
-        (it may have fallen back already; then CancelImport is a no-op there)."""
-        assert flight.peer_worker is not None and flight.decision is not None
-        if flight.peer_worker in flight.done_workers:
-            return  # told already
-        flight.done_workers.add(flight.peer_worker)
-        self.metrics.peer_fetches.labels("failed").inc()
-        decode = self.table.by_id.get(flight.decision.decode_worker)
-        if decode is not None and decode.healthy:
-            self.link.send(decode.identity, P.CancelImport(flight.attempt_id))
-
     def _on_prefill_done(self, worker: WorkerInfo, msg: P.PrefillDone) -> None:
         flight = self._current(worker, msg.request_id)
         if flight is None:
             return
         if worker.identity == flight.peer_worker:
-            if msg.handed_off:
-                self.metrics.peer_fetches.labels("committed").inc()
-                flight.done_workers.add(worker.identity)
-            else:
-                self._peer_failed(flight)
+            self.peers.on_done(flight, worker, msg.handed_off)
             return
         flight.done_workers.add(worker.identity)
         if msg.handed_off and flight.first_token_at is not None:
@@ -452,10 +431,7 @@ class Dispatcher:
             self.metrics.failures.labels(msg.kind.value).inc()
             return
         if worker.identity == flight.peer_worker:
-            logger.warning("request %s: %s could not export its prefix (%s: %s); the decode "
-                           "worker prefills it", msg.request_id, worker.worker_id,
-                           msg.kind.value, msg.message)
-            self._peer_failed(flight)
+            self.peers.on_failed(flight, worker, msg)
             return
         flight.done_workers.add(worker.identity)
         error: SplitserveError
