@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from openai import OpenAI
@@ -38,6 +39,31 @@ def _wait_counter(server: Any, name: str, tier: str, at_least: float) -> float:
     return value
 
 
+def _completer(server: Any, timeout_s: float = 300) -> Callable[..., tuple[str, int]]:
+    """run(prompt, max_tokens=8, tenant=None): a greedy completion through the openai
+    client; its text and `cached_tokens`."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                    timeout=timeout_s)
+    model = client.models.list().data[0].id
+
+    def run(prompt: list[int], max_tokens: int = 8, tenant: str | None = None
+            ) -> tuple[str, int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Tenant": tenant} if tenant is not None else None)
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+    return run
+
+
+def _worker_hits(server: Any, worker: str) -> float:
+    """splitserve_kv_tier_hits_total of one worker, over its tiers."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
+               if line.startswith("splitserve_kv_tier_hits_total{")
+               and f'worker="{worker}"' in line)
+
+
 def _wait_restarted(server: Any, old_pid: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,15 +85,10 @@ def test_blocks_come_back_from_host_then_disk_then_after_a_restart(
         "--kv-disk-bytes", str(200 * BLOCK_BYTES), "--kv-disk-admission", "all",
         "--kv-tenant-quota-bytes", str(quota), "--enable-prompt-tokens-details",
         "--enable-fault-injection")  # a worker is killed on purpose below
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    complete = _completer(server, 120)
 
     def run(prompt: list[int], tenant: str) -> tuple[str, int]:
-        out = client.completions.create(
-            model=model, prompt=prompt, max_tokens=8, temperature=0,
-            extra_body={"ignore_eos": True}, extra_headers={"X-Tenant": tenant})
-        details = out.usage.prompt_tokens_details if out.usage else None
-        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+        return complete(prompt, tenant=tenant)
 
     def churn(first: int, n: int) -> None:
         """Other prompts of another tenant, enough to push earlier blocks down a tier."""
@@ -139,20 +160,10 @@ def test_the_router_sends_a_prefix_to_the_worker_holding_it_below_its_pool(
         "--mode", "agg", "--decode", "2", "--max-model-len", "384",
         "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
         "--kv-host-bytes", str(64 * BLOCK_BYTES), "--enable-prompt-tokens-details")
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
-
-    def run(prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                        temperature=0, extra_body={"ignore_eos": True})
-        details = out.usage.prompt_tokens_details if out.usage else None
-        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+    run = _completer(server)
 
     def hits(worker: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1])
-                   for line in server.get_text("/metrics").splitlines()
-                   if line.startswith("splitserve_kv_tier_hits_total{")
-                   and f'worker="{worker}"' in line)
+        return _worker_hits(server, worker)
 
     busy = threading.Thread(target=run, args=(_prompt(50)[:16], 360))
     busy.start()  # on an idle cluster: the tie-breaker's worker (the first registered)
@@ -195,21 +206,13 @@ def test_a_prefill_workers_tier_serves_the_decode_worker_over_the_wire(
         "--mode", "disagg", "--prefill", "1", "--decode", "1", "--disagg-policy", "always",
         "--max-model-len", "384", "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
         "--kv-host-bytes", str(48 * BLOCK_BYTES), "--enable-prompt-tokens-details")
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    complete = _completer(server, 120)
 
     def run(prompt: list[int], tenant: str, max_tokens: int) -> tuple[str, int]:
-        out = client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            extra_body={"ignore_eos": True}, extra_headers={"X-Tenant": tenant})
-        details = out.usage.prompt_tokens_details if out.usage else None
-        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+        return complete(prompt, max_tokens, tenant)
 
     def hits(worker: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1])
-                   for line in server.get_text("/metrics").splitlines()
-                   if line.startswith("splitserve_kv_tier_hits_total{")
-                   and f'worker="{worker}"' in line)
+        return _worker_hits(server, worker)
 
     a = _prompt(1)
     cold, _ = run(a, "reference", 8)
@@ -238,20 +241,10 @@ def test_a_busy_workers_host_tier_serves_its_peer(start_server: Any) -> None:
         "--mode", "agg", "--decode", "2", "--max-num-seqs", "1", "--max-model-len", "384",
         "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES),
         "--kv-host-bytes", str(64 * BLOCK_BYTES), "--enable-prompt-tokens-details")
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
-
-    def run(prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                        temperature=0, extra_body={"ignore_eos": True})
-        details = out.usage.prompt_tokens_details if out.usage else None
-        return str(out.choices[0].text), int(details.cached_tokens or 0) if details else 0
+    run = _completer(server)
 
     def hits(worker: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1])
-                   for line in server.get_text("/metrics").splitlines()
-                   if line.startswith("splitserve_kv_tier_hits_total{")
-                   and f'worker="{worker}"' in line)
+        return _worker_hits(server, worker)
 
     def stream_on(prompt: list[int], not_on: str | None = None) -> tuple[threading.Thread, str]:
         """A long stream in the background; the worker it runs on."""
