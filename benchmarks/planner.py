@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +312,8 @@ def main() -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=SLO_MS.ttft_ms)
     ap.add_argument("--slo-tpot-ms", type=float, default=SLO_MS.tpot_ms)
     ap.add_argument("--interval-s", type=float, default=INTERVAL_S, help="the planner's")
+    ap.add_argument("--keep-every", type=int, help="keep every k-th trace request (the "
+                    f"rate; default {FULL.keep_every})")
     ap.add_argument("--out", type=Path, help="JSON and PNG (default docs/bench/planner, "
                     "--quick: a temporary directory)")
     ap.add_argument("--doc", type=Path, default=_ROOT / DEFAULT_OUTPUT)
@@ -320,6 +322,8 @@ def main() -> int:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so servers are stopped
     s, slo = (QUICK if args.quick else FULL), SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    if args.keep_every:
+        s = replace(s, keep_every=args.keep_every)
     names = (args.setups or ("agg1,agg2" if args.calibrate else
                              ",".join(x.name for x in setups(0)))).split(",")
     full = read_trace("azure", None, None)
