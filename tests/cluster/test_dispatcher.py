@@ -69,9 +69,10 @@ Scenario = Callable[[Dispatcher, zmq.asyncio.Context], Awaitable[None]]
 
 
 def run(scenario: Scenario, deadlines: DeadlineConfig | None = None,
-        policy: str = "auto", max_queue_len: int = 256, **kwargs: Any) -> None:
+        policy: str = "auto", max_queue_len: int = 256,
+        router_config: RouterConfig | None = None, **kwargs: Any) -> None:
     async def main() -> None:
-        dispatcher = Dispatcher(Router(RouterConfig(disagg=policy)),
+        dispatcher = Dispatcher(Router(router_config or RouterConfig(disagg=policy)),
                                 deadlines or DeadlineConfig(), max_queue_len=max_queue_len,
                                 **kwargs)
         dispatcher.start()

@@ -12,28 +12,18 @@ import zmq.asyncio
 from splitserve.cluster import protocol as P
 from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.stream import GenerateRequest
-from splitserve.cluster.router.router import Router, RouterConfig
-from splitserve.config import DeadlineConfig
+from splitserve.cluster.router.router import RouterConfig
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kv_cache.events import BlockStored
 
 from test_dispatcher import PLAN, ScriptedWorker, collect, output
+from test_dispatcher import run as run_scenario
 
 PROMPT = list(range(100, 612))  # 512 tokens: the holder has all 32 blocks, 31 can be fetched
 
 
 def run(scenario: Any, peer_fetch: bool = True) -> None:
-    async def main() -> None:
-        d = Dispatcher(Router(RouterConfig(disagg="never", peer_fetch=peer_fetch)),
-                       DeadlineConfig())
-        d.start()
-        ctx = zmq.asyncio.Context()
-        try:
-            await asyncio.wait_for(scenario(d, ctx), 20)
-        finally:
-            await d.close()
-            ctx.destroy(linger=0)
-    asyncio.run(main())
+    run_scenario(scenario, router_config=RouterConfig(disagg="never", peer_fetch=peer_fetch))
 
 
 async def holder_and_idle(d: Dispatcher, ctx: zmq.asyncio.Context
