@@ -98,10 +98,14 @@ def _reference_attention(q, kv, tables, token_seq, ctx, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 80])
-def test_attention_is_per_token_and_block_layout_free(ops, head_dim: int) -> None:
+# (query heads, kv heads, head_dim): the AVX-512 path weighs values up to 4 heads of a group
+# at once (2 from head_dim 80 on), so groups of 3, 5, 7 and 8 heads take every split.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 16), (9, 3, 64), (9, 3, 80),
+                                                     (8, 1, 128), (10, 2, 80), (14, 2, 64)])
+def test_attention_is_per_token_and_block_layout_free(ops, heads: int, kv_heads: int,
+                                                      head_dim: int) -> None:
     torch.manual_seed(2)
-    num_blocks, block_size, kv_heads, heads = 48, 16, 3, 9
+    num_blocks, block_size = 48, 16
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
     perm = torch.randperm(num_blocks).to(torch.int32)
     tables = torch.stack([perm[:20], perm[20:40]])

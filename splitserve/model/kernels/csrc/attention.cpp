@@ -52,8 +52,34 @@ inline void key_offsets(const Args& a, int64_t t, int64_t h, std::vector<int64_t
 struct Scratch {
   std::vector<float> scores;  // [G][Lp]
   std::vector<int64_t> offsets;  // [L]
-  std::vector<float> values;  // [L][D] fp32 (AVX-512 path)
+  std::vector<float> z;  // [G] softmax denominators
 };
+
+// Heads g0 .. g0+NQ-1 of one (token, kv head): o = (sum over l in order of e_l * v_l) / Z.
+template <int DC, int NQ>
+AVX512_TARGET void weigh_values(const Args& a, int64_t t, int64_t h, int64_t g0,
+                                const float* e, int64_t Lp, const int64_t* off, int64_t L,
+                                const float* z) {
+  const int64_t G = a.H / a.HKV;
+  __m512 acc[NQ][DC];
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < DC; ++c) acc[q][c] = _mm512_setzero_ps();
+  const float* e0 = e + g0 * Lp;
+  for (int64_t l = 0; l < L; ++l) {
+    __m512 v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = bf16x16_to_f32(a.v + off[l] + 16 * c);
+    for (int q = 0; q < NQ; ++q) {
+      const __m512 p = _mm512_set1_ps(e0[q * Lp + l]);
+      for (int c = 0; c < DC; ++c) acc[q][c] = _mm512_fmadd_ps(p, v[c], acc[q][c]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q) {
+    const __m512 zq = _mm512_set1_ps(z[g0 + q]);
+    bf16_t* o = a.out + (t * a.H + h * G + g0 + q) * DC * 16;
+    for (int c = 0; c < DC; ++c)
+      _mm256_storeu_si256((__m256i*)(o + 16 * c), f32x16_to_bf16(_mm512_div_ps(acc[q][c], zq)));
+  }
+}
 
 // ---- one (token, kv head): G query heads over the token's context ----------------------
 template <int DC>  // head_dim / 16
@@ -63,14 +89,19 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& s
   key_offsets(a, t, h, sc.offsets);
   const int64_t* off = sc.offsets.data();
   sc.scores.assign(G * Lp, 0.f);
-  sc.values.resize(L * D);
   float* buf = sc.scores.data();
   const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
   constexpr int QC = (DC + 1) / 2;  // 32-wide chunks of head_dim; a 16-wide tail reads zeros
   auto mask = [](int c) { return 32 * (c + 1) <= D ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu; };
   const __m512 scale = _mm512_set1_ps(a.scale);
+  sc.z.resize(2 * G);
+  float* z = sc.z.data();
+  float* row_max = z + G;
   for (int64_t g = 0; g < G; ++g) {
     const bf16_t* q = q0 + g * a.q_head;
+    // Running max of the head's scores: max(s, m) keeps m when s is NaN, as the AVX2
+    // path's scalar `s > m ? s : m` does; a max is exact in any order.
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __m512bh qc[QC];
     for (int c = 0; c < QC; ++c) qc[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask(c), q + 32 * c);
     for (int64_t l0 = 0; l0 < L; l0 += 16) {
@@ -84,19 +115,17 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& s
           acc[j] = _mm512_dpbf16_ps(acc[j], qc[c],
                                     (__m512bh)_mm512_maskz_loadu_epi16(mask(c), k + 32 * c));
       }
-      _mm512_mask_storeu_ps(buf + g * Lp + l0, (__mmask16)((1u << n) - 1),
-                            _mm512_mul_ps(tree16x16(acc), scale));
+      const __mmask16 valid = (__mmask16)((1u << n) - 1);
+      const __m512 sv = _mm512_mul_ps(tree16x16(acc), scale);
+      _mm512_mask_storeu_ps(buf + g * Lp + l0, valid, sv);
+      mx = _mm512_mask_max_ps(mx, valid, sv, mx);
     }
+    row_max[g] = _mm512_reduce_max_ps(mx);
   }
-  // pre-convert V rows once for all G heads: [L][D] fp32
-  float* vf = sc.values.data();
-  for (int64_t l = 0; l < L; ++l)
-    for (int c = 0; c < DC; ++c)
-      _mm512_storeu_ps(vf + l * D + 16 * c, bf16x16_to_f32(a.v + off[l] + 16 * c));
+  // softmax numerators in place, one Z per head
   for (int64_t g = 0; g < G; ++g) {
     float* s = buf + g * Lp;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < L; ++l) m = s[l] > m ? s[l] : m;
+    const float m = row_max[g];
     __m512 sum = _mm512_setzero_ps();
     for (int64_t l = 0; l < Lp; l += 16) {
       const __mmask16 valid = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
@@ -105,17 +134,17 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& s
       _mm512_storeu_ps(s + l, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 z = _mm512_set1_ps(tree16(sum));
-    __m512 acc[DC];
-    for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < L; ++l) {
-      const __m512 p = _mm512_set1_ps(s[l]);
-      for (int c = 0; c < DC; ++c)
-        acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf + l * D + 16 * c), acc[c]);
-    }
-    bf16_t* o = a.out + (t * a.H + h * G + g) * D;
-    for (int c = 0; c < DC; ++c)
-      _mm256_storeu_si256((__m256i*)(o + 16 * c), f32x16_to_bf16(_mm512_div_ps(acc[c], z)));
+    z[g] = tree16(sum);
+  }
+  // o = sum_l e_l v_l / Z: up to 4 heads at once, so each V row is converted once and the
+  // heads' FMA chains overlap (every head still adds its keys in position order).
+  constexpr int64_t kHeads = DC <= 4 ? 4 : 2;
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t nq = std::min<int64_t>(kHeads, G - g0);
+    if (nq == kHeads) weigh_values<DC, kHeads>(a, t, h, g0, buf, Lp, off, L, z);
+    else if (nq == 3) weigh_values<DC, 3>(a, t, h, g0, buf, Lp, off, L, z);
+    else if (nq == 2) weigh_values<DC, 2>(a, t, h, g0, buf, Lp, off, L, z);
+    else weigh_values<DC, 1>(a, t, h, g0, buf, Lp, off, L, z);
   }
 }
 
@@ -220,10 +249,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
          token_seq.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
          H, HKV, D, (float)scale, reinterpret_cast<bf16_t*>(out.data_ptr())};
   const AttendFn attend = get_isa() == 2 ? kAttendAvx512[D / 16 - 1] : attend_avx2;
-  at::parallel_for(0, T * HKV, 1, [&](int64_t begin, int64_t end) {
+  // Threads take contiguous ranges; tasks alternate from both ends so that a causal
+  // prefill's short and long contexts are spread over them (0, n-1, 1, n-2, ...).
+  const int64_t n = T * HKV;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     thread_local Scratch scratch;
-    for (int64_t task = begin; task < end; ++task) attend(a, task / HKV, task % HKV, scratch);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t task = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
+      attend(a, task / HKV, task % HKV, scratch);
+    }
   });
   return out;
 }
