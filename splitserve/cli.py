@@ -84,10 +84,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
     p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the model name clients send")
-    p.add_argument("--mode", choices=["disagg", "agg"],
-                   help="disagg: prefill and decode pools (default); agg: colocated workers")
-    p.add_argument("--prefill", type=int, help="prefill workers (disagg; default 1)")
+    p.add_argument("--mode", choices=["auto", "disagg", "agg"],
+                   help="auto (default): the layout predicted to serve the most on this "
+                   "machine's cores, from engine costs measured once and cached; disagg: "
+                   "prefill and decode pools; agg: colocated workers")
+    p.add_argument("--prefill", type=int, help="prefill workers (disagg; default 1; with "
+                   "auto, giving a count means disagg)")
     p.add_argument("--decode", type=int, help="decode workers (agg: workers; default 1)")
+    p.add_argument("--workload-hint", help="PROMPT:OUTPUT mean tokens --mode auto lays the "
+                   "machine out for (default 512:128)")
+    p.add_argument("--profile-cache", help="JSON file of --mode auto's measured cost curves "
+                   "(default $SPLITSERVE_PROFILE_CACHE, else "
+                   "~/.cache/splitserve/layout_profiles.json)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--worker-cores", help="cores per worker, prefill workers first: '0;1' or "

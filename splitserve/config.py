@@ -196,9 +196,16 @@ class ServeConfig:
     Every key can come from a YAML file (same names, `-` or `_`) or a flag."""
     model: str | None = None
     served_model_name: str | None = None  # default: the model file's name
-    mode: str = "disagg"  # "disagg" | "agg" (colocated workers: the baseline)
-    prefill: int = 1  # prefill workers (disagg)
-    decode: int = 1  # decode workers (disagg); workers in agg mode
+    # "auto": the layout measured to serve the most on this machine (cluster/planner/
+    # auto_layout.py); "disagg": prefill and decode pools; "agg": colocated workers.
+    mode: str = "auto"
+    prefill: int | None = None  # prefill workers (disagg); None: 1, or auto's choice
+    decode: int | None = None  # decode workers (disagg), workers (agg); None: 1, or auto's
+    # --mode auto lays the machine out for requests of these mean prompt:output tokens,
+    # and caches the cost curves it measures in this JSON file (None:
+    # $SPLITSERVE_PROFILE_CACHE, else ~/.cache/splitserve/layout_profiles.json).
+    workload_hint: str = "512:128"
+    profile_cache: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     runtime: str = "local"  # "local" (child processes) | "ray" (Ray actors; `ray` group)
@@ -248,8 +255,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "agg"):
-            raise ValueError(f"mode={self.mode!r} must be 'disagg' or 'agg'")
+        if self.mode not in ("auto", "disagg", "agg"):
+            raise ValueError(f"mode={self.mode!r} must be 'auto', 'disagg' or 'agg'")
+        _ = self.workload_tokens  # a malformed hint fails here, not once workers start
         if self.kv_failure_policy not in ("recompute", "retry", "fail"):
             raise ValueError(f"kv_failure_policy={self.kv_failure_policy!r} must be "
                              "recompute|retry|fail")
@@ -257,7 +265,7 @@ class ServeConfig:
             raise ValueError(f"max_retries={self.max_retries} must be >= 0")
         if self.disagg_policy not in ("auto", "always", "never"):
             raise ValueError(f"disagg_policy={self.disagg_policy!r} must be auto|always|never")
-        if self.decode < 1 or (self.mode == "disagg" and self.prefill < 0):
+        if self.pool_sizes[1] < 1 or (self.mode != "agg" and self.pool_sizes[0] < 0):
             raise ValueError("need at least one decode worker (and prefill >= 0)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
@@ -268,7 +276,7 @@ class ServeConfig:
         if self.planner not in ("off", "advisory", "on"):
             raise ValueError(f"planner={self.planner!r} must be off|advisory|on")
         if self.planner != "off" and not (self.slo_ttft_ms and self.slo_tpot_ms
-                                          and self.mode == "disagg"):
+                                          and self.mode in ("disagg", "auto")):
             raise ValueError("--planner needs --slo-ttft-ms, --slo-tpot-ms and --mode disagg "
                              "(it may still run the cluster with no prefill pool)")
         if self.runtime not in ("local", "ray"):
@@ -276,6 +284,22 @@ class ServeConfig:
         if self.runtime == "ray" and self.kv_transport != "tcp":
             raise ValueError("--runtime ray moves KV over TCP (shared memory does not "
                              "cross machines): use --kv-transport tcp")
+
+    @property
+    def pool_sizes(self) -> tuple[int, int]:
+        """(prefill, decode) workers to start: as given, else 1 each."""
+        return (1 if self.prefill is None else self.prefill,
+                1 if self.decode is None else self.decode)
+
+    @property
+    def workload_tokens(self) -> tuple[int, int]:
+        """`workload_hint` "PROMPT:OUTPUT" as (prompt tokens, output tokens)."""
+        prompt, sep, output = str(self.workload_hint).partition(":")
+        if sep and prompt.strip().isdigit() and output.strip().isdigit() \
+                and int(prompt) > 0 and int(output) > 0:
+            return int(prompt), int(output)
+        raise ValueError(f"workload_hint={self.workload_hint!r} must be PROMPT:OUTPUT mean "
+                         f"tokens, e.g. 512:128 (quote it in YAML)")
 
     def engine_args(self) -> dict[str, object]:
         return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,

@@ -105,3 +105,8 @@ class WorkerFailed(SplitserveError):
 
 class ProtocolError(SplitserveError):
     """A process message is malformed, of an unknown kind, or from an unknown sender."""
+
+
+class LayoutProfileError(SplitserveError):
+    """Measuring the engine's cost curves for `--mode auto` failed or passed its deadline;
+    the message says why (choose the layout with --mode agg|disagg)."""

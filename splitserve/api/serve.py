@@ -55,7 +55,8 @@ class ClusterBackend:
                           "routed_tier_blocks": self.dispatcher.router.stats().num_tier_blocks,
                           "routed_peer_fetches":
                               self.dispatcher.router.stats().num_peer_fetches},
-                "planner": self.cluster.last_decision}
+                "planner": self.cluster.last_decision,
+                "layout": self.cluster.layout.to_dict() if self.cluster.layout else None}
 
     def metrics_text(self) -> bytes:
         return self.dispatcher.metrics_text()
@@ -120,7 +121,7 @@ async def serve(config: ServeConfig) -> None:
             log_config=log_config(config.log_level.upper()),
             timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
         logger.info("serving %s on http://%s:%d (%s, %d workers on the %s runtime%s)",
-                    info.served_model_names[0], config.host, config.port, config.mode,
+                    info.served_model_names[0], config.host, config.port, cluster.config.mode,
                     len(cluster.handles), config.runtime,
                     f", adopted {cluster.adopted}" if cluster.adopted else "")
         loop = asyncio.get_running_loop()

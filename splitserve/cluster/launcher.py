@@ -18,6 +18,8 @@ from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
+from splitserve.cluster.planner.auto_layout import publish_layout, resolve_layout
+from splitserve.cluster.planner.layout import LayoutChoice
 from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
                                               WorkerSample)
@@ -39,8 +41,10 @@ STABLE_AFTER_S = 60.0  # a restarted worker alive this long resets its backoff
 def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
     """One spec per worker: prefill workers first, then decode (or `both` in agg mode),
     each pinned to its share of this process's cores unless `worker_cores` says otherwise."""
-    pools = ([(Role.PREFILL, config.prefill), (Role.DECODE, config.decode)]
-             if config.mode == "disagg" else [(Role.BOTH, config.decode)])
+    assert config.mode != "auto", "resolve_layout first (cluster/planner/auto_layout.py)"
+    num_prefill, num_decode = config.pool_sizes
+    pools = ([(Role.PREFILL, num_prefill), (Role.DECODE, num_decode)]
+             if config.mode == "disagg" else [(Role.BOTH, num_decode)])
     if config.worker_cores is not None:
         flat = [tuple(c) for c in config.worker_cores]
         if len(flat) != sum(n for _, n in pools):
@@ -127,6 +131,7 @@ class Cluster:
         self.adopted: list[str] = []  # worker ids taken over from a previous frontend
         self.actuator: Actuator | None = None
         self.last_decision: dict[str, object] | None = None  # the planner's, for /admin/health
+        self.layout: LayoutChoice | None = None  # what --mode resolved to, and why
         self._plan: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._failures: dict[str, int] = {}  # worker id -> restarts in a row
@@ -134,7 +139,10 @@ class Cluster:
         self._load_times = LoadTimes()  # start -> registered, for the planner
 
     async def start(self) -> Dispatcher:
-        cfg = self.config
+        # --mode auto may measure the engine first (seconds): off the event loop.
+        resolved = await asyncio.to_thread(resolve_layout, self.config)
+        cfg = self.config = resolved.config
+        self.layout = resolved.choice
         router = Router(RouterConfig(
             disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
             tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
@@ -149,6 +157,7 @@ class Cluster:
             slo_tpot_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
             control_host=self.runtime.control_host, reject_early=cfg.admission == "reject")
         dispatcher.link.store_key = store_key(cfg.store)
+        publish_layout(dispatcher.metrics.registry, resolved.choice)
         dispatcher.start()
         specs = [self.runtime.worker_spec(s) for s in worker_specs(cfg, dispatcher.address)]
         try:

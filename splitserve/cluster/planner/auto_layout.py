@@ -1,0 +1,127 @@
+"""`splitserve serve --mode auto` (the default): the ServeConfig with the layout chosen
+for this machine (layout.py, from curves measured by profile.py) in place of "auto", and
+the choice itself for the startup log, /metrics (`splitserve_layout_info`) and
+/admin/health. An explicit `--mode agg|disagg` passes through unchanged (its choice says
+so).
+
+With auto, what the operator fixed is honoured rather than second-guessed:
+- pool counts (--prefill, --decode or --worker-cores): the former default, disagg with
+  those counts (`--mode agg` asks for colocated workers);
+- the planner (--planner advisory|on): disagg, the layout it sizes (it may still drop
+  the prefill pool later);
+- --runtime ray: disagg; the workers run on the Ray cluster's nodes, not on the cores
+  measured here;
+- --threads-per-worker T: every candidate runs T threads per worker.
+When measuring fails (or passes its deadline) the former default, disagg, serves, and
+the reason says why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Info
+
+from splitserve.cluster.planner.capacity import Curves
+from splitserve.cluster.planner.layout import (LayoutChoice, SLOTarget, WorkloadHint,
+                                               candidate_threads, choose_layout, default_slo)
+from splitserve.cluster.planner.model import Layout
+from splitserve.cluster.planner.profile import CostCurves, cached_curves
+from splitserve.config import ServeConfig
+from splitserve.errors import LayoutProfileError
+
+logger = logging.getLogger("splitserve.layout")
+
+# (engine args, thread counts, cache file or None) -> curves at each count
+CurvesSource = Callable[[Mapping[str, Any], Sequence[int], Path | None],
+                        Mapping[int, CostCurves]]
+
+
+class ResolvedLayout(NamedTuple):
+    config: ServeConfig  # mode "agg" or "disagg", with the pool counts to start
+    choice: LayoutChoice
+
+
+def _measured(engine_args: Mapping[str, Any], threads: Sequence[int],
+              cache_path: Path | None) -> Mapping[int, CostCurves]:
+    return cached_curves(engine_args, threads, cache_path=cache_path)
+
+
+def resolve_layout(config: ServeConfig, curves: CurvesSource = _measured,
+                   cores: int | None = None) -> ResolvedLayout:
+    """The layout to start (see the module docstring) and why; logs one INFO line.
+    `cores`: None, this process's. Blocks while measuring (under a minute on 2 cores;
+    profile.PROFILE_TIMEOUT_S at most): run it off the event loop."""
+    resolved = _resolve(config, curves, cores)
+    logger.info("layout: %s (%s)", resolved.choice.label, resolved.choice.reason)
+    return resolved
+
+
+def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> ResolvedLayout:
+    if config.mode != "auto":
+        return _given(config, f"--mode {config.mode} given")
+    if config.prefill is not None or config.decode is not None or config.worker_cores:
+        return _given(replace(config, mode="disagg"),
+                      "pool counts given (--prefill/--decode/--worker-cores) without --mode: "
+                      "disagg, the former default (--mode agg for colocated workers)")
+    if config.planner != "off":
+        return _given(replace(config, mode="disagg"),
+                      f"--planner {config.planner} sizes a disaggregated layout (it may "
+                      f"drop the prefill pool later)")
+    if config.runtime != "local":
+        return _given(replace(config, mode="disagg"),
+                      f"--runtime {config.runtime}: workers run on the cluster's nodes, not "
+                      f"on this machine's cores; disagg, the former default")
+    cores = cores or len(os.sched_getaffinity(0))
+    threads = candidate_threads(cores, config.threads_per_worker)
+    cache = Path(config.profile_cache) if config.profile_cache else None
+    try:
+        found = curves(config.engine_args(), threads, cache)
+    except LayoutProfileError as exc:
+        logger.warning("--mode auto could not measure this machine: %s", exc)
+        return _given(replace(config, mode="disagg"),
+                      f"measuring the cost curves failed ({exc}): disagg, the former default")
+    by_threads = {t: Curves(c.prefill, c.decode, config.max_num_seqs)
+                  for t, c in found.items()}
+    hint = WorkloadHint(*config.workload_tokens)
+    choice = choose_layout(by_threads, hint, _slo(config, by_threads, hint), cores,
+                           threads_per_worker=config.threads_per_worker,
+                           disagg_policy=config.disagg_policy)
+    if bool(config.slo_ttft_ms) != bool(config.slo_tpot_ms):
+        missing = "--slo-tpot-ms" if config.slo_ttft_ms else "--slo-ttft-ms"
+        choice = replace(choice, reason=f"{choice.reason}; {missing} not given: derived "
+                                        f"from the measured costs")
+    return ResolvedLayout(replace(config, mode=choice.layout.value, prefill=choice.num_prefill,
+                                  decode=choice.num_decode), choice)
+
+
+def _slo(config: ServeConfig, curves: Mapping[int, Curves],
+         hint: WorkloadHint) -> SLOTarget | None:
+    """The SLO flags; one missing is derived from the measured costs (both: None)."""
+    if not (config.slo_ttft_ms or config.slo_tpot_ms):
+        return None
+    derived = default_slo(curves, hint)
+    return SLOTarget(config.slo_ttft_ms / 1000 if config.slo_ttft_ms else derived.ttft_s,
+                     config.slo_tpot_ms / 1000 if config.slo_tpot_ms else derived.tpot_s)
+
+
+def _given(config: ServeConfig, reason: str) -> ResolvedLayout:
+    """An explicit layout's choice; its counts as the launcher will start them."""
+    num_prefill, num_decode = config.pool_sizes
+    layout = Layout(config.mode)
+    return ResolvedLayout(config, LayoutChoice(
+        layout, num_prefill if layout is Layout.DISAGG else 0, num_decode,
+        config.threads_per_worker,
+        config.disagg_policy if layout is Layout.DISAGG else "never", reason))
+
+
+def publish_layout(registry: CollectorRegistry, choice: LayoutChoice) -> None:
+    """`splitserve_layout_info{layout, prefill, decode, reason} 1` in `registry`."""
+    Info("splitserve_layout", "The worker layout serving and why it was chosen (--mode)",
+         registry=registry).info({"layout": choice.layout.value,
+                                  "prefill": str(choice.num_prefill),
+                                  "decode": str(choice.num_decode), "reason": choice.reason})

@@ -1,0 +1,222 @@
+"""`--mode auto`: which layout serves the most on this machine's cores, chosen once at
+startup from measured cost curves (profile.py) by the planner's capacity model.
+
+Candidates on `cores` cores, each worker on its own even share of them (as the launcher
+pins workers):
+    agg xN        N colocated workers, cores / N threads each     (N divides cores)
+    disagg P+D    P prefill + D decode workers, cores / (P + D) threads each, the router's
+                  conditional disaggregation on (--disagg-policy auto)
+With --threads-per-worker T every worker runs T threads and at most cores / T exist.
+Each candidate's score is the highest request rate at which capacity.py predicts that
+the SLO quantile of TTFT and TPOT is met (capacity.fit_agg, fit_disagg: queueing and
+prefill interference included). The best wins, except that a colocated layout within
+10% of it wins over a disaggregated one: fewer moving parts for a gain within the noise
+of the model. When no candidate meets the SLOs at any rate, the one closest to them
+unloaded wins and the reason says so.
+
+Not modeled (as in the planner): KV transfer time, decode workers of a disaggregated
+layout prefilling short prompts locally (so disagg is pessimistic on short prompts), and
+memory bandwidth shared between workers (so many small workers are optimistic).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from splitserve.cluster.planner import capacity
+from splitserve.cluster.planner.capacity import Curves, Demand, Fit
+from splitserve.cluster.planner.model import Layout, PlannerConfig
+
+TIE_SHARE = 0.9  # a colocated layout within 10% of the best rate is chosen over it
+# Without SLOs: TTFT this many times the unloaded TTFT of the hint's prompt, TPOT this
+# many times the unloaded decode step (batch 1), both at the fastest measured threads.
+DEFAULT_TTFT_FACTOR = 3.0
+DEFAULT_TPOT_FACTOR = 2.0
+_RATE_STEPS = 48  # bisection steps: the rate to ~1e-14 of its bracket
+_MAX_RATE = 1e9  # requests/s: a bound for curves that cost nothing
+
+
+@dataclass(frozen=True)
+class WorkloadHint:
+    """The traffic to lay the machine out for: mean prompt and output tokens."""
+
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"workload hint {self.prompt_tokens}:{self.output_tokens} needs "
+                             f"positive prompt and output tokens")
+
+
+@dataclass(frozen=True)
+class SLOTarget:
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"SLO targets must be positive seconds (TTFT {self.ttft_s}, "
+                             f"TPOT {self.tpot_s})")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and what the model predicts for it."""
+
+    layout: Layout
+    num_prefill: int  # 0 when colocated
+    num_decode: int  # the colocated workers in the agg layout
+    threads: int  # torch threads per worker
+    max_rate: float  # requests/s at which the SLOs are still met (0: not even unloaded)
+    unloaded: Fit  # TTFT and TPOT at a vanishing rate
+
+    @property
+    def label(self) -> str:
+        shape = (f"agg x{self.num_decode}" if self.layout is Layout.AGG
+                 else f"disagg {self.num_prefill}P+{self.num_decode}D")
+        return shape if self.threads == 1 else f"{shape} ({self.threads} threads)"
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout `splitserve serve` runs, and why: what /metrics and /admin/health show."""
+
+    layout: Layout
+    num_prefill: int
+    num_decode: int
+    threads_per_worker: int | None  # None: one per pinned core (not chosen here)
+    disagg_policy: str  # the router's: "never" when colocated
+    reason: str
+    candidates: tuple[Candidate, ...] = ()  # empty when nothing was compared
+    slo: SLOTarget | None = None  # the targets the candidates were scored at
+    slo_derived: bool = False  # no SLO flags: targets from the measured costs
+
+    @property
+    def label(self) -> str:
+        return (f"agg x{self.num_decode}" if self.layout is Layout.AGG
+                else f"disagg {self.num_prefill}P+{self.num_decode}D")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"layout": self.layout.value, "prefill": self.num_prefill,
+                "decode": self.num_decode, "threads_per_worker": self.threads_per_worker,
+                "disagg_policy": self.disagg_policy, "reason": self.reason,
+                "slo": asdict(self.slo) if self.slo else None, "slo_derived": self.slo_derived,
+                "candidates": [{"layout": c.label, "max_rate": c.max_rate,
+                                "unloaded_ttft_s": c.unloaded.ttft_s,
+                                "unloaded_tpot_s": c.unloaded.tpot_s}
+                               for c in self.candidates]}
+
+
+def candidate_shapes(cores: int, threads_per_worker: int | None = None
+                     ) -> list[tuple[Layout, int, int, int]]:
+    """(layout, prefill, decode, threads) of every candidate on `cores` cores."""
+    if cores < 1:
+        raise ValueError(f"cores={cores} must be >= 1")
+    if threads_per_worker is not None:
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker={threads_per_worker} must be >= 1")
+        sizes = [(n, threads_per_worker)
+                 for n in range(1, max(1, cores // threads_per_worker) + 1)]
+    else:
+        sizes = [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0]
+    shapes = [(Layout.AGG, 0, n, t) for n, t in sizes]
+    shapes += [(Layout.DISAGG, p, n - p, t) for n, t in sizes for p in range(1, n)]
+    return shapes
+
+
+def candidate_threads(cores: int, threads_per_worker: int | None = None) -> list[int]:
+    """The thread counts whose cost curves choose_layout needs, ascending."""
+    return sorted({t for *_, t in candidate_shapes(cores, threads_per_worker)})
+
+
+def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint) -> SLOTarget:
+    """Targets from the measured costs, for when none are given (see the factors)."""
+    ttft = min(c.prefill_s(workload.prompt_tokens) for c in curves_by_threads.values())
+    step = min(c.step_s(1) for c in curves_by_threads.values())
+    return SLOTarget(DEFAULT_TTFT_FACTOR * ttft, DEFAULT_TPOT_FACTOR * step)
+
+
+def _fit(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
+         workload: WorkloadHint, rate: float, config: PlannerConfig) -> Fit:
+    demand = Demand(rate, float(workload.prompt_tokens), float(workload.output_tokens),
+                    backlog=0, running=0, interval_s=config.interval_s)
+    return capacity.fit_at(layout, demand, curves, num_prefill, num_decode, config)
+
+
+def max_rate(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
+             workload: WorkloadHint, config: PlannerConfig) -> float:
+    """The highest arrival rate at which the predicted TTFT (at the attainment quantile)
+    and TPOT meet config's SLOs; 0 when they are missed even unloaded. Predictions grow
+    with the rate (more sequences per step, longer queues): bisect."""
+    def meets(rate: float) -> bool:
+        fit = _fit(layout, curves, num_prefill, num_decode, workload, rate, config)
+        return fit.ttft_s <= config.slo_ttft_s and fit.tpot_s <= config.slo_tpot_s
+
+    lo, hi = 0.0, 1e-3
+    if not meets(hi):
+        return 0.0
+    while meets(hi) and hi < _MAX_RATE:  # servers saturate at a finite rate: this ends
+        lo, hi = hi, hi * 2
+    for _ in range(_RATE_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
+def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
+                  slo: SLOTarget | None, cores: int, *, threads_per_worker: int | None = None,
+                  disagg_policy: str = "auto") -> LayoutChoice:
+    """The layout for `cores` cores (see the module docstring). `curves_by_threads`: one
+    worker's cost curves at each thread count (candidate_threads says which are needed;
+    a candidate whose count is missing is not considered). `slo` None: default_slo."""
+    shapes = [s for s in candidate_shapes(cores, threads_per_worker)
+              if s[3] in curves_by_threads]
+    if not shapes:
+        raise ValueError(f"no cost curves for any of the thread counts "
+                         f"{candidate_threads(cores, threads_per_worker)} on {cores} cores")
+    derived = slo is None
+    target = default_slo(curves_by_threads, workload) if slo is None else slo
+    config = PlannerConfig(slo_ttft_s=target.ttft_s, slo_tpot_s=target.tpot_s,
+                           max_workers=max(2, cores))
+    found = []
+    for layout, num_p, num_d, threads in shapes:
+        curves = curves_by_threads[threads]
+        found.append(Candidate(
+            layout, num_p, num_d, threads,
+            max_rate(layout, curves, num_p, num_d, workload, config),
+            _fit(layout, curves, num_p, num_d, workload, 0.0, config)))
+    best = max(found, key=lambda c: c.max_rate)
+    if best.max_rate > 0:
+        close = [c for c in found if c.max_rate >= TIE_SHARE * best.max_rate]
+        chosen = max(close, key=lambda c: (c.layout is Layout.AGG, c.max_rate))
+    else:  # nothing meets them: the least over its targets unloaded
+        chosen = min(found, key=lambda c: max(c.unloaded.ttft_s / target.ttft_s,
+                                              c.unloaded.tpot_s / target.tpot_s))
+    reason = _reason(chosen, best, found, workload, target, derived,
+                     config.attainment_target)
+    return LayoutChoice(chosen.layout, chosen.num_prefill, chosen.num_decode, chosen.threads,
+                        disagg_policy if chosen.layout is Layout.DISAGG else "never", reason,
+                        tuple(found), target, derived)
+
+
+def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
+            workload: WorkloadHint, slo: SLOTarget, derived: bool, quantile: float) -> str:
+    """e.g. "agg x2: 1.9 req/s vs disagg 1P+1D 1.2 req/s at TTFT 1000 ms / TPOT 80 ms for
+    160+96-token requests"."""
+    others = ", ".join(f"{c.label} {c.max_rate:.2g} req/s" for c in
+                       sorted(found, key=lambda c: -c.max_rate) if c is not chosen)
+    text = (f"{chosen.label}: {chosen.max_rate:.2g} req/s vs {others or 'no other'} at "
+            f"TTFT {slo.ttft_s * 1000:.0f} ms / TPOT {slo.tpot_s * 1000:.0f} ms "
+            f"(p{quantile * 100:.0f}) for "
+            f"{workload.prompt_tokens}+{workload.output_tokens}-token requests")
+    if best.max_rate == 0:
+        text += "; no layout meets these SLOs even unloaded: the closest"
+    elif chosen is not best:
+        text += (f"; within {1 - TIE_SHARE:.0%} of {best.label}: the colocated layout, "
+                 f"fewer moving parts")
+    if derived:
+        text += (f"; no SLO given: TTFT {DEFAULT_TTFT_FACTOR:g}x the unloaded prefill, TPOT "
+                 f"{DEFAULT_TPOT_FACTOR:g}x the unloaded decode step (set --slo-ttft-ms and "
+                 f"--slo-tpot-ms)")
+    return text

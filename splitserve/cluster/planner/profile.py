@@ -1,0 +1,257 @@
+"""Measured cost curves for `--mode auto` (layout.py): one worker's prefill time of a
+whole prompt of t tokens and decode step time at n sequences, at each thread count,
+measured on a real engine in a child process pinned like a worker (profile_run.py) and
+fitted by the router's own cost models (router/cost_model.py), then cached in a JSON
+file so that later starts on the same machine, model and settings measure nothing.
+
+A cache entry is keyed by what decides the timings: the model fingerprint (weights, KV
+dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU model and
+the prefill chunk (max_num_batched_tokens). The key is derived here the way the engine
+derives its fingerprint, and the child checks that its engine agrees, so a key can never
+hold another engine's curves.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from splitserve.cluster.router.cost_model import (CostModelConfig, DecodeStepModel,
+                                                  PrefillCostModel, Quadratic)
+from splitserve.config import EngineConfig
+from splitserve.errors import LayoutProfileError
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "SPLITSERVE_PROFILE_CACHE"
+CACHE_VERSION = 1
+# The child loads the model (~10 s on 2 cores, more the first time the exact kernels
+# are built) and measures for ~5 s per thread count on an idle machine: far inside this.
+PROFILE_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What the child measures at each thread count."""
+
+    # Capped below max_model_len. Four sizes once each: ~3 s on one core, where the
+    # 1024-token prompt alone takes 2 s; the least-squares fit averages their noise.
+    prefill_tokens: tuple[int, ...] = (64, 256, 512, 1024)
+    prefill_repeats: int = 1
+    decode_batches: tuple[int, ...] = (1, 8, 32)  # capped at max_num_seqs
+    decode_steps: int = 4  # pure decode steps timed per batch size
+    decode_prompt_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_tokens, default=0) < 1 or min(self.decode_batches, default=0) < 1:
+            raise ValueError("a profile plan needs positive prefill sizes and decode batches")
+        if (len(self.prefill_tokens) * self.prefill_repeats < 3
+                or len(self.decode_batches) * self.decode_steps < 3):
+            raise ValueError("a profile plan needs at least 3 samples per curve to fit one")
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    fingerprint: str
+    dtype: str
+    batch_invariant: bool
+    threads: int
+    cpu_model: str
+    max_num_batched_tokens: int
+
+    @property
+    def cache_id(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+class CostCurves(NamedTuple):
+    """One worker's curves at one thread count, in seconds."""
+
+    prefill: Quadratic  # a whole prompt of t uncached tokens (every chunk's step)
+    decode: Quadratic  # one decode step over n running sequences
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def default_cache_path() -> Path:
+    """$SPLITSERVE_PROFILE_CACHE, else ~/.cache/splitserve/layout_profiles.json (or under
+    $XDG_CACHE_HOME)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(root) / "splitserve" / "layout_profiles.json"
+
+
+def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
+    """The cache key of a worker with `engine_args` (WorkerSpec.engine_args) at `threads`.
+    Mirrors LLMEngine.__init__'s fingerprint; the child checks the two agree."""
+    from splitserve.engine.device import (resolve_batch_invariant, resolve_device,
+                                          resolve_dtype)
+    from splitserve.model.fingerprint import model_fingerprint
+    from splitserve.model.kernels import EXACT_KERNELS
+    from splitserve.model.loader import open_checkpoint
+
+    args = dict(engine_args)
+    config = EngineConfig.from_kwargs(args.pop("model", None), **args)
+    ckpt = open_checkpoint(config.model)
+    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    invariant = resolve_batch_invariant(config, device, dtype, ckpt.spec)
+    digest = ckpt.weights_digest + (f"+{config.quantization}" if config.quantization else "")
+    kv_dtype = str(dtype).removeprefix("torch.")
+    fingerprint = model_fingerprint(ckpt.spec, kv_dtype, config.cache.block_size, digest,
+                                    kernels=EXACT_KERNELS if invariant else "default")
+    return ProfileKey(fingerprint, kv_dtype, invariant, threads, cpu_model(),
+                      config.scheduler.max_num_batched_tokens)
+
+
+def fit_curves(prefill: Sequence[tuple[int, float]],
+               decode: Sequence[tuple[int, float]]) -> CostCurves:
+    """The router's fits over the samples: (tokens, seconds) and (sequences, seconds)."""
+    prefill_model = PrefillCostModel(_fit_config(len(prefill)))
+    decode_model = DecodeStepModel(_fit_config(len(decode)))
+    for tokens, seconds in prefill:
+        prefill_model.observe(tokens, seconds)
+    for num_seqs, seconds in decode:
+        decode_model.observe(num_seqs, seconds)
+    if not (prefill_model.is_fitted and decode_model.is_fitted):
+        raise LayoutProfileError(f"the measured timings fit no non-decreasing curve "
+                                 f"(prefill {list(prefill)}, decode {list(decode)}); the "
+                                 f"machine was too busy to measure: choose --mode agg|disagg")
+    return CostCurves(Quadratic(*prefill_model.coefficients),
+                      Quadratic(*decode_model.coefficients))
+
+
+def _fit_config(num_samples: int) -> CostModelConfig:
+    # Every sample in one window, fitted once all are in (not before: min_samples).
+    return CostModelConfig(window=max(3, num_samples), min_samples=max(3, num_samples))
+
+
+def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
+                   plan: ProfilePlan = ProfilePlan(), keys: Mapping[int, ProfileKey] | None
+                   = None, timeout_s: float = PROFILE_TIMEOUT_S) -> dict[int, CostCurves]:
+    """Runs one child process (the model loaded once) that measures at each thread count,
+    ascending, pinned to the first that many of this process's cores, as worker 0 of a
+    layout with that many threads per worker would be. `keys`: checked against the
+    child's engine. LayoutProfileError when it fails or passes `timeout_s`."""
+    cores = sorted(os.sched_getaffinity(0))
+    counts = sorted(set(threads))
+    if not counts or counts[0] < 1 or counts[-1] > len(cores):
+        raise ValueError(f"thread counts {list(threads)} must be within 1..{len(cores)} cores")
+    request = {"engine_args": dict(engine_args), "threads": counts, "cores": cores,
+               "plan": asdict(plan)}
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "splitserve.cluster.planner.profile_run"],
+                              input=json.dumps(request).encode(), stdout=subprocess.PIPE,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise LayoutProfileError(f"measuring the cost curves took over {timeout_s:.0f} s "
+                                 f"(a busy machine?); choose --mode agg|disagg") from exc
+    if done.returncode != 0:
+        raise LayoutProfileError(f"the profiling process exited with {done.returncode} "
+                                 f"(its log is above); choose --mode agg|disagg")
+    curves = {}
+    try:
+        for line in done.stdout.decode().splitlines():
+            result = json.loads(line)
+            count = int(result["threads"])
+            key = (keys or {}).get(count)
+            if key is not None and (result["fingerprint"], result["batch_invariant"]) != (
+                    key.fingerprint, key.batch_invariant):
+                raise LayoutProfileError(f"the profiled engine is not the one keyed: "
+                                         f"{result['fingerprint']} vs {key.fingerprint}")
+            curves[count] = fit_curves([(int(t), float(s)) for t, s in result["prefill"]],
+                                       [(int(n), float(s)) for n, s in result["decode"]])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LayoutProfileError(f"the profiling process answered {exc!r}") from exc
+    if sorted(curves) != counts:
+        raise LayoutProfileError(f"the profiling process measured threads {sorted(curves)} "
+                                 f"of {counts}")
+    logger.info("measured cost curves at %s threads in %.1f s: %s", counts,
+                time.monotonic() - start, curves)
+    return curves
+
+
+class ProfileCache:
+    """The JSON file of measured curves, {"version", "entries": {key: entry}}. A missing,
+    unreadable or foreign file is an empty cache; writes replace the file atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the profile cache %s: %s", self.path, exc)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {}
+        entries = data.get("entries")
+        return entries if isinstance(entries, dict) else {}
+
+    def get(self, key: ProfileKey) -> CostCurves | None:
+        entry = self.load().get(key.cache_id)
+        try:
+            return CostCurves(Quadratic(*map(float, entry["prefill"])),  # type: ignore[index]
+                              Quadratic(*map(float, entry["decode"])))  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None  # absent or malformed: measure again
+
+    def put(self, found: Mapping[ProfileKey, CostCurves]) -> None:
+        entries = self.load()
+        for key, curves in found.items():
+            entries[key.cache_id] = {"key": asdict(key), "prefill": list(curves.prefill),
+                                     "decode": list(curves.decode), "measured_at": time.time()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # NOTE: a temporary file renamed over the old one: a reader (another server
+        # starting) sees the whole old file or the whole new one, never half of either.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".layout_profiles.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def cached_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
+                  cache_path: Path | None = None, plan: ProfilePlan = ProfilePlan(),
+                  timeout_s: float = PROFILE_TIMEOUT_S) -> dict[int, CostCurves]:
+    """Curves at each thread count: from the cache, measuring (and caching) only the
+    counts it lacks."""
+    cache = ProfileCache(cache_path or default_cache_path())
+    base = profile_key(engine_args, 0)
+    keys = {t: replace(base, threads=t) for t in sorted(set(threads))}
+    found = {t: cache.get(key) for t, key in keys.items()}
+    curves = {t: c for t, c in found.items() if c is not None}
+    missing = [t for t in keys if t not in curves]
+    if missing:
+        logger.info("measuring cost curves at %s threads for --mode auto (cached in %s)",
+                    missing, cache.path)
+        measured = measure_curves(engine_args, missing, plan=plan, keys=keys,
+                                  timeout_s=timeout_s)
+        try:
+            cache.put({keys[t]: measured[t] for t in missing})
+        except OSError as exc:  # a read-only home: measured again next start, no more
+            logger.warning("cannot write the profile cache %s: %s", cache.path, exc)
+        curves.update(measured)
+    return curves

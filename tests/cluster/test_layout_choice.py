@@ -1,0 +1,195 @@
+"""`--mode auto`: choose_layout on synthetic cost curves, and resolve_layout's handling of
+what the operator fixed (no engine here: the curves source is a stand-in)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from splitserve.cluster.launcher import worker_specs
+from splitserve.cluster.planner import layout as layout_mod
+from splitserve.cluster.planner.auto_layout import publish_layout, resolve_layout
+from splitserve.cluster.planner.capacity import Curves, Demand, fit_at
+from splitserve.cluster.planner.layout import (SLOTarget, WorkloadHint, candidate_shapes,
+                                               candidate_threads, choose_layout)
+from splitserve.cluster.planner.model import Layout, PlannerConfig
+from splitserve.cluster.planner.profile import CostCurves
+from splitserve.cluster.protocol import Role
+from splitserve.cluster.router.cost_model import Quadratic
+from splitserve.config import ServeConfig
+from splitserve.errors import LayoutProfileError
+
+# One worker's curves at 1 and 2 threads: two threads prefill ~1.5x faster and barely
+# speed a (memory-bound) decode step up.
+PREFILL_1 = Quadratic(0.02, 0.0006, 1e-7)  # ~1.2 s for 1536 tokens
+DECODE_1 = Quadratic(0.018, 0.002, 0.0)  # 20 ms at batch 1
+PREFILL_2 = Quadratic(0.015, 0.0004, 7e-8)
+DECODE_2 = Quadratic(0.016, 0.0015, 0.0)
+CURVES = {1: Curves(PREFILL_1, DECODE_1, 64), 2: Curves(PREFILL_2, DECODE_2, 64)}
+
+
+def test_candidates_split_the_cores_evenly() -> None:
+    assert candidate_shapes(2) == [(Layout.AGG, 0, 1, 2), (Layout.AGG, 0, 2, 1),
+                                   (Layout.DISAGG, 1, 1, 1)]
+    assert candidate_threads(2) == [1, 2]
+    assert candidate_threads(16) == [1, 2, 4, 8, 16]
+    assert candidate_shapes(1) == [(Layout.AGG, 0, 1, 1)]
+    # --threads-per-worker 2 on 4 cores: at most two workers, two threads each
+    assert candidate_shapes(4, threads_per_worker=2) == [
+        (Layout.AGG, 0, 1, 2), (Layout.AGG, 0, 2, 2), (Layout.DISAGG, 1, 1, 2)]
+
+
+def test_prompt_heavy_with_a_strict_tpot_goes_disaggregated() -> None:
+    """A 1536-token prompt stalls a colocated worker's decodes for over a second: with a
+    TPOT target just above the batch-1 step, only a decode pool of its own meets it."""
+    hint = WorkloadHint(1536, 128)
+    strict = choose_layout(CURVES, hint, SLOTarget(4.0, 0.022), cores=2)
+    assert (strict.layout, strict.num_prefill, strict.num_decode) == (Layout.DISAGG, 1, 1)
+    assert strict.disagg_policy == "auto" and strict.threads_per_worker == 1
+    rates = {c.label: c.max_rate for c in strict.candidates}
+    assert rates["disagg 1P+1D"] > max(rates["agg x2"], rates["agg x1 (2 threads)"]) / 0.9
+    assert strict.reason.startswith("disagg 1P+1D: 0.35 req/s vs ")
+    assert "TTFT 4000 ms / TPOT 22 ms (p90) for 1536+128-token requests" in strict.reason
+    # The same machine and prompts with a loose TPOT: two colocated workers serve more.
+    loose = choose_layout(CURVES, hint, SLOTarget(4.0, 0.1), cores=2)
+    assert (loose.layout, loose.num_decode, loose.disagg_policy) == (Layout.AGG, 2, "never")
+
+
+def test_short_prompts_with_fast_prefill_stay_colocated() -> None:
+    fast = {1: Curves(Quadratic(0.005, 0.0002, 0), DECODE_1, 64),
+            2: Curves(Quadratic(0.004, 0.00013, 0), DECODE_2, 64)}
+    choice = choose_layout(fast, WorkloadHint(128, 128), SLOTarget(1.0, 0.08), cores=2)
+    assert (choice.layout, choice.num_prefill, choice.num_decode) == (Layout.AGG, 0, 2)
+    assert choice.label == "agg x2" and choice.reason.startswith("agg x2: ")
+    best = max(choice.candidates, key=lambda c: c.max_rate)
+    assert best.label == "agg x2" and "within" not in choice.reason
+    # The rate is where the model's predictions cross the targets.
+    config = PlannerConfig(slo_ttft_s=1.0, slo_tpot_s=0.08, max_workers=2)
+
+    def fit(rate: float) -> tuple[float, float]:
+        return fit_at(Layout.AGG, Demand(rate, 128, 128, 0, 0, 10.0), fast[1], 0, 2, config)
+
+    below, above = fit(best.max_rate * 0.999), fit(best.max_rate * 1.01)
+    assert below[0] <= 1.0 and below[1] <= 0.08
+    assert above[0] > 1.0 or above[1] > 0.08
+
+
+def test_one_core_is_one_colocated_worker() -> None:
+    choice = choose_layout({1: CURVES[1]}, WorkloadHint(1536, 128), SLOTarget(4.0, 0.022),
+                           cores=1)
+    assert (choice.layout, choice.num_decode, choice.threads_per_worker) == (Layout.AGG, 1, 1)
+    assert [c.label for c in choice.candidates] == ["agg x1"]
+
+
+def test_a_colocated_layout_within_ten_percent_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    def rates(disagg: float, agg2: float) -> Any:
+        table = {(Layout.DISAGG, 1): disagg, (Layout.AGG, 2): agg2, (Layout.AGG, 1): 0.1}
+        return lambda layout, curves, num_p, num_d, *_: table[(layout, num_d)]
+
+    monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.95))
+    close = choose_layout(CURVES, WorkloadHint(512, 128), SLOTarget(2.0, 0.05), cores=2)
+    assert close.label == "agg x2" and "within 10% of disagg 1P+1D" in close.reason
+    monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.85))
+    far = choose_layout(CURVES, WorkloadHint(512, 128), SLOTarget(2.0, 0.05), cores=2)
+    assert far.label == "disagg 1P+1D"
+
+
+def test_without_slos_the_targets_come_from_the_measured_costs() -> None:
+    choice = choose_layout(CURVES, WorkloadHint(512, 128), None, cores=2)
+    assert choice.slo_derived and choice.slo is not None
+    # The fastest measured threads: 3x the 512-token prefill, 2x the batch-1 step.
+    assert choice.slo.ttft_s == pytest.approx(3 * PREFILL_2(512))
+    assert choice.slo.tpot_s == pytest.approx(2 * DECODE_2(1))
+    assert "no SLO given" in choice.reason
+
+
+def test_targets_no_layout_meets_pick_the_closest() -> None:
+    choice = choose_layout(CURVES, WorkloadHint(1536, 128), SLOTarget(0.5, 0.001), cores=2)
+    assert all(c.max_rate == 0 for c in choice.candidates)
+    assert "no layout meets these SLOs" in choice.reason
+    # Unloaded, two threads prefill fastest and step fastest: the closest.
+    assert choice.label == "agg x1" and choice.threads_per_worker == 2
+
+
+def _source(calls: list[Sequence[int]], curves: Mapping[int, CostCurves] | None = None,
+            error: Exception | None = None) -> Any:
+    def measure(engine_args: Mapping[str, Any], threads: Sequence[int],
+                cache: Path | None) -> Mapping[int, CostCurves]:
+        calls.append(list(threads))
+        if error is not None:
+            raise error
+        assert curves is not None
+        return curves
+    return measure
+
+
+def test_auto_resolves_to_the_chosen_pools() -> None:
+    calls: list[Sequence[int]] = []
+    measured = {1: CostCurves(PREFILL_1, DECODE_1), 2: CostCurves(PREFILL_2, DECODE_2)}
+    resolved = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
+                                          slo_tpot_ms=100), _source(calls, measured), cores=2)
+    assert calls == [[1, 2]]
+    assert (resolved.config.mode, resolved.config.prefill, resolved.config.decode) == (
+        "agg", 0, 2)
+    specs = worker_specs(resolved.config, "tcp://127.0.0.1:1")
+    assert [s.role for s in specs] == [Role.BOTH, Role.BOTH]
+    strict = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
+                                        slo_tpot_ms=22), _source(calls, measured), cores=2)
+    assert (strict.config.mode, strict.config.prefill, strict.config.decode) == (
+        "disagg", 1, 1)
+    # One SLO given: the other is derived, and the reason says so.
+    half = resolve_layout(ServeConfig(slo_ttft_ms=4000), _source(calls, measured), cores=2)
+    assert half.choice.slo is not None and half.choice.slo.ttft_s == 4.0
+    assert "--slo-tpot-ms not given" in half.choice.reason
+
+
+@pytest.mark.parametrize("config, expected, reason", [
+    (ServeConfig(mode="agg", decode=2), ("agg", 0, 2), "--mode agg given"),
+    (ServeConfig(mode="disagg"), ("disagg", 1, 1), "--mode disagg given"),
+    (ServeConfig(prefill=1, decode=2), ("disagg", 1, 2), "pool counts given"),
+    (ServeConfig(decode=3), ("disagg", 1, 3), "pool counts given"),
+    (ServeConfig(planner="on", slo_ttft_ms=1000, slo_tpot_ms=50), ("disagg", 1, 1),
+     "--planner on sizes a disaggregated layout"),
+    (ServeConfig(runtime="ray"), ("disagg", 1, 1), "--runtime ray"),
+])
+def test_what_the_operator_fixed_is_honoured_without_measuring(
+        config: ServeConfig, expected: tuple[str, int, int], reason: str) -> None:
+    calls: list[Sequence[int]] = []
+    resolved = resolve_layout(config, _source(calls), cores=2)
+    choice = resolved.choice
+    assert calls == []
+    assert (choice.layout.value, choice.num_prefill, choice.num_decode) == expected
+    assert resolved.config.mode == expected[0] and reason in choice.reason
+    assert len(worker_specs(resolved.config, "tcp://127.0.0.1:1")) == expected[1] + expected[2]
+
+
+def test_a_failed_measurement_serves_the_former_default() -> None:
+    calls: list[Sequence[int]] = []
+    resolved = resolve_layout(ServeConfig(), _source(calls, error=LayoutProfileError(
+        "took over 240 s")), cores=2)
+    assert calls == [[1, 2]] and resolved.config.mode == "disagg"
+    assert "measuring the cost curves failed (took over 240 s)" in resolved.choice.reason
+
+
+def test_the_choice_is_exposed_as_an_info_metric() -> None:
+    choice = choose_layout(CURVES, WorkloadHint(1536, 128), SLOTarget(4.0, 0.022), cores=2)
+    registry = CollectorRegistry()
+    publish_layout(registry, choice)
+    text = generate_latest(registry).decode()
+    line = next(x for x in text.splitlines() if x.startswith("splitserve_layout_info{"))
+    assert 'layout="disagg"' in line and 'prefill="1"' in line and 'decode="1"' in line
+    assert 'reason="disagg 1P+1D: 0.35 req/s vs ' in line and line.endswith(" 1.0")
+    assert choice.to_dict()["candidates"][0]["layout"] == "agg x1 (2 threads)"
+
+
+def test_serve_config_checks_the_hint_and_defaults_to_auto() -> None:
+    assert ServeConfig().mode == "auto" and ServeConfig().workload_tokens == (512, 128)
+    assert ServeConfig(workload_hint="1024:64").workload_tokens == (1024, 64)
+    for bad in ("512", "512:0", "a:b", "-5:3"):
+        with pytest.raises(ValueError, match="workload_hint"):
+            ServeConfig(workload_hint=bad)
+    with pytest.raises(ValueError, match="--planner needs"):
+        ServeConfig(mode="agg", planner="on", slo_ttft_ms=1000, slo_tpot_ms=50)

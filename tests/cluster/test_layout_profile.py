@@ -1,0 +1,86 @@
+"""--mode auto's cost curves: measured on the real default model in a child process (a
+short plan), cached by key, read back without measuring, measured again when the key
+changes; failures are typed and bounded by a deadline."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitserve.cluster.planner import profile
+from splitserve.cluster.planner.profile import (CostCurves, ProfileCache, ProfilePlan,
+                                                cached_curves, fit_curves, measure_curves,
+                                                profile_key)
+from splitserve.cluster.router.cost_model import Quadratic
+from splitserve.config import ServeConfig
+from splitserve.errors import LayoutProfileError
+
+SHORT = ProfilePlan(prefill_tokens=(32, 128, 256), prefill_repeats=1, decode_batches=(1, 4),
+                    decode_steps=2)
+ARGS = ServeConfig(max_model_len=512).engine_args()  # the default model, as served
+
+
+def test_curves_are_measured_once_then_read_from_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "profiles.json"
+    first = cached_curves(ARGS, [1], cache_path=path, plan=SHORT)[1]
+    # Measured: costs grow with the prompt and with the batch, none is free.
+    assert 0 < first.prefill(32) < first.prefill(128) < first.prefill(256) < 10
+    assert 0 < first.decode(1) <= first.decode(4) < 2
+    key = profile_key(ARGS, 1)
+    assert key.batch_invariant in (True, False) and key.dtype == "bfloat16"
+    [entry] = json.loads(path.read_text())["entries"].values()
+    assert (entry["key"]["threads"], entry["key"]["fingerprint"]) == (1, key.fingerprint)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("measured although the cache holds the key")
+
+    monkeypatch.setattr(profile, "measure_curves", refuse)
+    assert cached_curves(ARGS, [1], cache_path=path) == {1: first}
+
+    calls: list[list[int]] = []
+    other = CostCurves(Quadratic(0.1, 0.002, 0.0), Quadratic(0.03, 0.001, 0.0))
+
+    def fake(engine_args: Mapping[str, Any], threads: Sequence[int],
+             **kwargs: Any) -> dict[int, CostCurves]:
+        calls.append(list(threads))
+        return {t: other for t in threads}
+
+    monkeypatch.setattr(profile, "measure_curves", fake)
+    monkeypatch.setattr(profile, "cpu_model", lambda: "Another CPU")
+    assert cached_curves(ARGS, [1], cache_path=path) == {1: other}  # a new key: measured
+    assert calls == [[1]] and len(ProfileCache(path).load()) == 2
+    assert cached_curves(ARGS, [1, 2], cache_path=path) == {1: other, 2: other}
+    assert calls == [[1], [2]]  # only the count it lacked
+    # Another dtype is another key too.
+    assert profile_key({**ARGS, "dtype": "float32"}, 1).fingerprint != key.fingerprint
+
+
+def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:
+    path = tmp_path / "profiles.json"
+    path.write_text("{not json")
+    key = profile.ProfileKey("f", "bfloat16", True, 1, "cpu", 512)
+    cache = ProfileCache(path)
+    assert cache.load() == {} and cache.get(key) is None
+    curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0))
+    cache.put({key: curves})
+    assert cache.get(key) == curves and cache.get(replace(key, threads=2)) is None
+
+
+def test_timings_that_fit_no_curve_are_refused() -> None:
+    with pytest.raises(LayoutProfileError, match="too busy"):
+        fit_curves([(128, 1.0), (512, 0.5), (1024, 0.1)], [(1, 0.02), (8, 0.03), (32, 0.05)])
+    good = fit_curves([(128, 0.1), (512, 0.4), (1024, 0.9)], [(1, 0.02), (8, 0.03), (32, 0.06)])
+    assert good.prefill(1024) == pytest.approx(0.9) and good.decode(8) == pytest.approx(
+        0.03, rel=0.2)
+
+
+def test_measuring_has_a_deadline() -> None:
+    with pytest.raises(LayoutProfileError, match="took over 0 s"):
+        measure_curves(ARGS, [1], plan=SHORT, timeout_s=0.3)
+    with pytest.raises(ValueError, match="thread counts"):
+        measure_curves(ARGS, [0], plan=SHORT)
