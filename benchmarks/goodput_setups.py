@@ -39,8 +39,8 @@ SETUPS = {s.name: s for s in (
                      "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "as disagg; router decides per request", True),
-    Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: 1 engine process "
-          "(1 torch thread) + API server, same 2 cores, bf16", server=Server.VLLM),
+    Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "
+          "thread) on 1 core, engine core + API server on the other", server=Server.VLLM),
 )}
 DEFAULT_CONFIGS = ("agg", "disagg", "auto", "vllm")
 

@@ -12,6 +12,7 @@ $SPLITSERVE_VLLM_MODEL_DIR).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 MARKER = ".splitserve-vllm.json"  # written last: an interrupted install is redone
 SERVED_NAME = "SmolLM2-135M-Instruct"  # what `splitserve serve` lists first (api/serve.py)
 MAX_MODEL_LEN = 4096  # as `splitserve serve`'s default context
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 READY_TIMEOUT_S = 600.0  # load + inductor compile take ~2 min on 2 cores; more when busy
 KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE: > 4096 tokens x 40 requests x ~23 KB in bf16
 
@@ -180,6 +182,11 @@ class VllmServer:
     model_dir: Path
     cores: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
     port: int = 0  # 0: a free one
+    # VLLM_CPU_OMP_THREADS_BIND. "auto", vLLM's default, picks within the process's cores
+    # (`cores`): on x86 it keeps one core for the engine core and API server and binds the
+    # model worker's OpenMP threads to the rest (2 cores: 1 thread). A core list ("0-1")
+    # gives the worker every core and has the other two processes share them.
+    omp_bind: str = "auto"
     served_name: str = SERVED_NAME
     ready_timeout_s: float = READY_TIMEOUT_S
     stop_timeout_s: float = 30.0
@@ -209,19 +216,25 @@ class VllmServer:
                 *self.FLAGS, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """vLLM-CPU's settings: KV cache space, OpenMP threads bound to our cores (its
-        engine core then runs one torch thread per bound core it keeps), no usage stats."""
+        """vLLM-CPU's settings: KV cache space, the OpenMP binding (`omp_bind`), no usage
+        stats, no hub look-ups. OMP_NUM_THREADS is dropped: vLLM sets it per process from
+        the binding, and an inherited one would override that."""
         env = dict(os.environ if base is None else base)
+        env.pop("OMP_NUM_THREADS", None)
         env.update({"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-                    "VLLM_CPU_OMP_THREADS_BIND": cores_text(self.cores),
+                    "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind,
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         return env
 
     def __enter__(self) -> VllmServer:
         assert self.log_path is not None
-        print(f"  starting vllm: {' '.join(self.command())} (cores {cores_text(self.cores)}; "
-              f"log {self.log_path})", flush=True)
+        print(f"  starting vllm: {' '.join(self.command())} (cores {cores_text(self.cores)}, "
+              f"VLLM_CPU_OMP_THREADS_BIND={self.omp_bind}; log {self.log_path})", flush=True)
+        # Its engine core and model worker are grandchildren that the API server does not
+        # wait for: as our subreaper children we reap them, so their CPU time counts as
+        # ours in CpuMonitor (else a vLLM row reads ~1 core of "other" load).
+        _set_child_subreaper(True)
         with open(self.log_path, "wb") as log:
             cores = set(self.cores)
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -256,24 +269,65 @@ class VllmServer:
                               f"{self.log_path}:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to its process group (the engine core is a child process), SIGKILL to
-        the group if it is not gone in `stop_timeout_s`."""
-        if self.proc is None or self.proc.returncode is not None:
+        """SIGTERM to the API server, which shuts its engine core and model worker down;
+        SIGKILL to the whole process group if it is not gone in `stop_timeout_s`, and to
+        whatever of the group outlived it; then the group's processes are reaped."""
+        if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        # The engine core may outlive the API server by a moment; its group dies with it.
+        group = _group_pids(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         _signal_group(self.proc.pid, signal.SIGKILL)
+        _reap(group - {self.proc.pid}, deadline_s=10.0)
+        _set_child_subreaper(False)
 
     def log_tail(self, num_chars: int = 3000) -> str:
+        assert self.log_path is not None  # set in __post_init__
         try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]  # type: ignore[union-attr]
+            return self.log_path.read_text(errors="replace")[-num_chars:]
         except OSError:
             return ""
+
+
+def _set_child_subreaper(on: bool) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphaned descendants become our children."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _group_pids(pgid: int) -> set[int]:
+    """The live processes of process group `pgid` (from /proc)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        if entry.isdigit() and int(fields[2]) == pgid:
+            pids.add(int(entry))
+    return pids
+
+
+def _reap(pids: set[int], deadline_s: float) -> None:
+    """Waits for each of `pids` that is (or becomes, once its parent is gone) our child;
+    one that is not ours and no longer exists was reaped by its own parent."""
+    pending, deadline = set(pids), time.monotonic() + deadline_s
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    pending.discard(pid)
+            except ChildProcessError:  # not ours (yet)
+                if not os.path.exists(f"/proc/{pid}"):
+                    pending.discard(pid)
+        time.sleep(0.02)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -132,17 +132,21 @@ def test_server_command_line_matches_what_the_study_sends(tmp_path: Path) -> Non
         "--max-model-len", "4096", "--host", "127.0.0.1", "--port", "5123"]
     default_len = next(f.default for f in fields(ServeConfig) if f.name == "max_model_len")
     assert peer.MAX_MODEL_LEN == default_len  # both servers cut prompts alike
-    env = server.environment({"PATH": "/bin"})
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["PATH"] == "/bin"
+    env = server.environment({"PATH": "/bin", "OMP_NUM_THREADS": "2"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["PATH"] == "/bin"
+    assert "OMP_NUM_THREADS" not in env  # vLLM sets it per process from the binding
     assert int(env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+    bound = peer.VllmServer(Path("/p"), tmp_path, cores=(0, 1), port=1, omp_bind="0-1")
+    assert bound.environment({})["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert peer.cores_text((0, 2, 5)) == "0,2,5" and peer.cores_text((3,)) == "3"
     assert peer.cores_text((5, 4, 6)) == "4-6"
 
 
 FAKE_API_SERVER = textwrap.dedent('''
     """Stand-in for vLLM's api_server: MODE=serve answers /v1/models after a moment (with
-    an 'engine core' child in its group), MODE=exit fails at once, MODE=stubborn ignores
-    SIGTERM; writes its affinity and child pid to REPORT."""
+    an 'engine core' child in its group that burns 1 s of CPU, then sleeps; nobody waits
+    for it), MODE=exit fails at once, MODE=stubborn ignores SIGTERM; writes its affinity and
+    child pid to REPORT."""
     import argparse, http.server, json, os, signal, subprocess, sys, time
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int)
@@ -153,7 +157,10 @@ FAKE_API_SERVER = textwrap.dedent('''
         sys.exit(3)
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    burn = ("import sys, time\\nwhile time.process_time() < 1.0: pass\\n"
+            "open(sys.argv[1], 'w').close()\\ntime.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", burn,
+                              os.environ["FAKE_VLLM_REPORT"] + ".burnt"])
     with open(os.environ["FAKE_VLLM_REPORT"], "w") as f:
         json.dump({"cores": sorted(os.sched_getaffinity(0)), "child": child.pid,
                    "bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}, f)
@@ -192,23 +199,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _children_cpu_s() -> float:
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def test_server_pinned_waits_for_models_and_stops_its_group(
         fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the grandchild's CPU time is ours once stopped (it is reaped here), as the
+    study's CpuMonitor needs to tell the server's load from other processes'."""
     monkeypatch.setenv("FAKE_VLLM_MODE", "serve")
     core = min(os.sched_getaffinity(0))
+    cpu0 = _children_cpu_s()
     server = peer.VllmServer(Path(sys.executable), tmp_path, cores=(core,),
                              ready_timeout_s=30, log_path=tmp_path / "vllm.log")
     with server:
         with urllib.request.urlopen(server.url + "/v1/models", timeout=5) as r:
             assert json.loads(r.read())["data"][0]["id"] == "m"
         report = json.loads(fake_vllm.read_text())
-        assert report["cores"] == [core] and report["bind"] == str(core)
+        assert report["cores"] == [core] and report["bind"] == "auto"
         assert _alive(report["child"])
+        deadline = time.monotonic() + 30
+        while not Path(f"{fake_vllm}.burnt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert server.proc is not None and server.proc.returncode is not None
     deadline = time.monotonic() + 5
     while _alive(report["child"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(report["child"])  # the engine core stand-in went with the group
+    assert _children_cpu_s() - cpu0 >= 1.0
 
 
 def test_server_that_exits_names_its_log(fake_vllm: Path, tmp_path: Path,
