@@ -100,10 +100,12 @@ def test_a_colocated_layout_within_ten_percent_wins(monkeypatch: pytest.MonkeyPa
 def test_without_slos_the_targets_come_from_the_measured_costs() -> None:
     choice = choose_layout(CURVES, WorkloadHint(512, 128), None, cores=2)
     assert choice.slo_derived and choice.slo is not None
-    # The fastest measured threads: 3x the 512-token prefill, 2x the batch-1 step.
-    assert choice.slo.ttft_s == pytest.approx(3 * PREFILL_2(512))
-    assert choice.slo.tpot_s == pytest.approx(2 * DECODE_2(1))
-    assert "no SLO given" in choice.reason
+    # A one-core worker's: 3x its 512-token prefill, 2x its batch-1 step.
+    assert choice.slo.ttft_s == pytest.approx(3 * PREFILL_1(512))
+    assert choice.slo.tpot_s == pytest.approx(2 * DECODE_1(1))
+    assert "no SLO given" in choice.reason and "step of a 1-thread worker" in choice.reason
+    wide = choose_layout(CURVES, WorkloadHint(512, 128), None, cores=2, threads_per_worker=2)
+    assert wide.slo is not None and wide.slo.tpot_s == pytest.approx(2 * DECODE_2(1))
 
 
 def test_targets_no_layout_meets_pick_the_closest() -> None:

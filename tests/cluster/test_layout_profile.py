@@ -19,8 +19,8 @@ from splitserve.cluster.router.cost_model import Quadratic
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError
 
-SHORT = ProfilePlan(prefill_tokens=(32, 128, 256), prefill_repeats=1, decode_batches=(1, 4),
-                    decode_steps=2)
+SHORT = ProfilePlan(prefill_tokens=(32, 128, 256), prefill_repeats=1,
+                    decode_batches=(1, 2, 4), decode_steps=2)
 ARGS = ServeConfig(max_model_len=512).engine_args()  # the default model, as served
 
 
@@ -74,9 +74,14 @@ def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:
 def test_timings_that_fit_no_curve_are_refused() -> None:
     with pytest.raises(LayoutProfileError, match="too busy"):
         fit_curves([(128, 1.0), (512, 0.5), (1024, 0.1)], [(1, 0.02), (8, 0.03), (32, 0.05)])
-    good = fit_curves([(128, 0.1), (512, 0.4), (1024, 0.9)], [(1, 0.02), (8, 0.03), (32, 0.06)])
-    assert good.prefill(1024) == pytest.approx(0.9) and good.decode(8) == pytest.approx(
-        0.03, rel=0.2)
+    # A step descheduled for half a second among 15 ms ones: the fastest of each size.
+    good = fit_curves([(128, 0.1), (512, 0.4), (1024, 0.9), (128, 0.6)],
+                      [(1, 0.6), (1, 0.015), (8, 0.03), (32, 0.06), (8, 0.5), (32, 0.07)])
+    assert good.prefill(128) == pytest.approx(0.1) and good.prefill(1024) == pytest.approx(0.9)
+    assert good.decode(1) == pytest.approx(0.015, rel=0.2)
+    assert good.decode(32) == pytest.approx(0.06, rel=0.1)
+    with pytest.raises(LayoutProfileError, match="3 sizes"):  # a line needs 3 sizes here
+        fit_curves([(128, 0.1), (512, 0.4), (1024, 0.9)], [(1, 0.02), (8, 0.03), (1, 0.02)])
 
 
 def test_measuring_has_a_deadline() -> None:

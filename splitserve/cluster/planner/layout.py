@@ -29,7 +29,9 @@ from splitserve.cluster.planner.model import Layout, PlannerConfig
 
 TIE_SHARE = 0.9  # a colocated layout within 10% of the best rate is chosen over it
 # Without SLOs: TTFT this many times the unloaded TTFT of the hint's prompt, TPOT this
-# many times the unloaded decode step (batch 1), both at the fastest measured threads.
+# many times the unloaded decode step (batch 1), both of a worker at the fewest threads
+# measured (one core's, unless --threads-per-worker): what one core does is the yardstick,
+# and wider workers are judged against it.
 DEFAULT_TTFT_FACTOR = 3.0
 DEFAULT_TPOT_FACTOR = 2.0
 _RATE_STEPS = 48  # bisection steps: the rate to ~1e-14 of its bracket
@@ -132,9 +134,9 @@ def candidate_threads(cores: int, threads_per_worker: int | None = None) -> list
 
 def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint) -> SLOTarget:
     """Targets from the measured costs, for when none are given (see the factors)."""
-    ttft = min(c.prefill_s(workload.prompt_tokens) for c in curves_by_threads.values())
-    step = min(c.step_s(1) for c in curves_by_threads.values())
-    return SLOTarget(DEFAULT_TTFT_FACTOR * ttft, DEFAULT_TPOT_FACTOR * step)
+    curves = curves_by_threads[min(curves_by_threads)]
+    return SLOTarget(DEFAULT_TTFT_FACTOR * curves.prefill_s(workload.prompt_tokens),
+                     DEFAULT_TPOT_FACTOR * curves.step_s(1))
 
 
 def _fit(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
@@ -175,8 +177,9 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
     if not shapes:
         raise ValueError(f"no cost curves for any of the thread counts "
                          f"{candidate_threads(cores, threads_per_worker)} on {cores} cores")
+    usable = {s[3]: curves_by_threads[s[3]] for s in shapes}
     derived = slo is None
-    target = default_slo(curves_by_threads, workload) if slo is None else slo
+    target = default_slo(usable, workload) if slo is None else slo
     config = PlannerConfig(slo_ttft_s=target.ttft_s, slo_tpot_s=target.tpot_s,
                            max_workers=max(2, cores))
     found = []
@@ -193,15 +196,16 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
     else:  # nothing meets them: the least over its targets unloaded
         chosen = min(found, key=lambda c: max(c.unloaded.ttft_s / target.ttft_s,
                                               c.unloaded.tpot_s / target.tpot_s))
-    reason = _reason(chosen, best, found, workload, target, derived,
-                     config.attainment_target)
+    reason = _reason(chosen, best, found, workload, target,
+                     min(usable) if derived else None, config.attainment_target)
     return LayoutChoice(chosen.layout, chosen.num_prefill, chosen.num_decode, chosen.threads,
                         disagg_policy if chosen.layout is Layout.DISAGG else "never", reason,
                         tuple(found), target, derived)
 
 
 def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
-            workload: WorkloadHint, slo: SLOTarget, derived: bool, quantile: float) -> str:
+            workload: WorkloadHint, slo: SLOTarget, derived: int | None,
+            quantile: float) -> str:
     """e.g. "agg x2: 1.9 req/s vs disagg 1P+1D 1.2 req/s at TTFT 1000 ms / TPOT 80 ms for
     160+96-token requests"."""
     others = ", ".join(f"{c.label} {c.max_rate:.2g} req/s" for c in
@@ -215,8 +219,8 @@ def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
     elif chosen is not best:
         text += (f"; within {1 - TIE_SHARE:.0%} of {best.label}: the colocated layout, "
                  f"fewer moving parts")
-    if derived:
+    if derived is not None:
         text += (f"; no SLO given: TTFT {DEFAULT_TTFT_FACTOR:g}x the unloaded prefill, TPOT "
-                 f"{DEFAULT_TPOT_FACTOR:g}x the unloaded decode step (set --slo-ttft-ms and "
-                 f"--slo-tpot-ms)")
+                 f"{DEFAULT_TPOT_FACTOR:g}x the unloaded decode step of a {derived}-thread "
+                 f"worker (set --slo-ttft-ms and --slo-tpot-ms)")
     return text

@@ -43,10 +43,10 @@ PROFILE_TIMEOUT_S = 240.0
 class ProfilePlan:
     """What the child measures at each thread count."""
 
-    # Capped below max_model_len. Four sizes once each: ~3 s on one core, where the
-    # 1024-token prompt alone takes 2 s; the least-squares fit averages their noise.
-    prefill_tokens: tuple[int, ...] = (64, 256, 512, 1024)
-    prefill_repeats: int = 1
+    # Capped below max_model_len; each size's fastest run counts (fit_curves). ~5 s on
+    # one core, where a 1024-token prompt alone takes 2 s.
+    prefill_tokens: tuple[int, ...] = (64, 256, 1024)
+    prefill_repeats: int = 2
     decode_batches: tuple[int, ...] = (1, 8, 32)  # capped at max_num_seqs
     decode_steps: int = 4  # pure decode steps timed per batch size
     decode_prompt_tokens: int = 16
@@ -54,9 +54,10 @@ class ProfilePlan:
     def __post_init__(self) -> None:
         if min(self.prefill_tokens, default=0) < 1 or min(self.decode_batches, default=0) < 1:
             raise ValueError("a profile plan needs positive prefill sizes and decode batches")
-        if (len(self.prefill_tokens) * self.prefill_repeats < 3
-                or len(self.decode_batches) * self.decode_steps < 3):
-            raise ValueError("a profile plan needs at least 3 samples per curve to fit one")
+        if len(set(self.prefill_tokens)) < 3 or len(set(self.decode_batches)) < 3 or min(
+                self.prefill_repeats, self.decode_steps) < 1:
+            raise ValueError("a profile plan needs 3 sizes per curve to fit one, each run "
+                             "at least once")
 
 
 @dataclass(frozen=True)
@@ -125,24 +126,37 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
 
 def fit_curves(prefill: Sequence[tuple[int, float]],
                decode: Sequence[tuple[int, float]]) -> CostCurves:
-    """The router's fits over the samples: (tokens, seconds) and (sequences, seconds)."""
-    prefill_model = PrefillCostModel(_fit_config(len(prefill)))
-    decode_model = DecodeStepModel(_fit_config(len(decode)))
-    for tokens, seconds in prefill:
+    """The router's fits over the samples, (tokens, seconds) and (sequences, seconds),
+    each size's fastest sample standing for it: other processes on the machine only ever
+    add time (a step descheduled for 0.5 s among 15 ms ones), and the curves are meant to
+    be the cost on cores of their own. Needs 3 sizes of each."""
+    prefill_model = PrefillCostModel(_fit_config(prefill))
+    decode_model = DecodeStepModel(_fit_config(decode))
+    for tokens, seconds in _fastest(prefill):
         prefill_model.observe(tokens, seconds)
-    for num_seqs, seconds in decode:
+    for num_seqs, seconds in _fastest(decode):
         decode_model.observe(num_seqs, seconds)
     if not (prefill_model.is_fitted and decode_model.is_fitted):
-        raise LayoutProfileError(f"the measured timings fit no non-decreasing curve "
-                                 f"(prefill {list(prefill)}, decode {list(decode)}); the "
-                                 f"machine was too busy to measure: choose --mode agg|disagg")
+        raise LayoutProfileError(f"the measured timings fit no non-decreasing curve over 3 "
+                                 f"sizes or more (prefill {_fastest(prefill)}, decode "
+                                 f"{_fastest(decode)}): the machine was too busy to measure, "
+                                 f"or max_model_len / max_num_seqs leave too few sizes; "
+                                 f"choose --mode agg|disagg")
     return CostCurves(Quadratic(*prefill_model.coefficients),
                       Quadratic(*decode_model.coefficients))
 
 
-def _fit_config(num_samples: int) -> CostModelConfig:
-    # Every sample in one window, fitted once all are in (not before: min_samples).
-    return CostModelConfig(window=max(3, num_samples), min_samples=max(3, num_samples))
+def _fastest(samples: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    best: dict[int, float] = {}
+    for size, seconds in samples:
+        best[size] = min(seconds, best.get(size, seconds))
+    return sorted(best.items())
+
+
+def _fit_config(samples: Sequence[tuple[int, float]]) -> CostModelConfig:
+    # Every size in one window, fitted once all are in (not before: min_samples).
+    num_sizes = max(3, len({size for size, _ in samples}))
+    return CostModelConfig(window=num_sizes, min_samples=num_sizes)
 
 
 def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
