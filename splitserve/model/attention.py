@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from splitserve.model import kernels
 
 
 @dataclass(slots=True)
@@ -61,7 +60,8 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     # Called with the layer index after each layer wrote its KV (layer-wise KV streaming).
     on_layer_end: Callable[[int], None] | None = None
-    # Set: the exact kernels attend every token (exact_attention; the fields above unused).
+    # Set: the exact kernels attend every token (LlamaModel._exact_layers; the fields above
+    # unused).
     exact: ExactBatch | None = None
 
 
@@ -123,24 +123,6 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                                                enable_gqa=True)
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
-
-
-def exact_attention(layer_idx: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    num_heads: int) -> torch.Tensor:
-    """The exact path's attention from the fused QKV projection: rotary and the KV write in
-    one kernel, then every token over its own context in another.
-
-    qkv: [num_tokens, (num_heads + 2 kv_heads) * head_dim]; rope: cos, signed sin
-    [num_tokens, 1, head_dim]. Returns [num_tokens, num_heads, head_dim]."""
-    meta = get_forward_context()
-    assert meta.exact is not None, "the exact kernels need the runner's exact batch"
-    kv_layer = meta.kv_cache[layer_idx]
-    cos, signed_sin = rope
-    q = kernels.rope_write_kv(qkv, cos.squeeze(1), signed_sin.squeeze(1), kv_layer,
-                              meta.slot_mapping, num_heads)
-    e = meta.exact
-    return kernels.paged_attention(q, kv_layer, e.block_tables, e.token_seq, e.context_lens,
-                                   q.shape[-1] ** -0.5)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

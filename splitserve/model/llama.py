@@ -6,12 +6,14 @@ are fused into one projection each (fewer, larger GEMMs), filled by `load_weight
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from splitserve.errors import ModelLoadError
-from splitserve.model.attention import exact_attention, get_forward_context, paged_attention
+from splitserve.model import kernels
+from splitserve.model.attention import AttentionMetadata, get_forward_context, paged_attention
 from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from splitserve.model.spec import ModelSpec
 
@@ -28,13 +30,9 @@ class LlamaAttention(nn.Module):
                                   bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
-        self.uses_exact_kernels = False  # kernels.use_exact_kernels_ sets it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.uses_exact_kernels:
-            out = exact_attention(self.layer_idx, qkv, rope, self.num_heads)
-            return self.o_proj(out.flatten(1))
         # q and k heads side by side: one rotary pass over [num_tokens, heads + kv_heads, head_dim]
         qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
@@ -69,17 +67,59 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       spec.rope_theta, spec.rope_scaling)
+        self.spec = spec
+        self.exact_decoder: Any = None  # kernels.exact_decoder, set by use_exact_kernels
+
+    def use_exact_kernels(self) -> None:
+        """The exact path: every layer in one C++ call per step (kernels.exact_decoder),
+        built on the packed projections kernels.use_exact_kernels_ put in place."""
+        tensors: list[torch.Tensor] = []
+        layer: Any  # its projections are ExactLinears now
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            tensors += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed,
+                        bias if bias is not None else torch.empty(0), attn.o_proj.packed,
+                        layer.post_attention_layernorm.weight.detach(),
+                        mlp.gate_up_proj.packed, mlp.down_proj.packed]
+        s = self.spec
+        self.exact_decoder = kernels.exact_decoder(
+            tensors, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
+            s.intermediate_size, s.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        on_layer_end = get_forward_context().on_layer_end
+        meta = get_forward_context()
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.table(positions, x.dtype)
+        if self.exact_decoder is not None:
+            x, stream = self._exact_layers(x, rope, meta)
+            return self.norm(x, stream)[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope)
-            if on_layer_end is not None:
-                on_layer_end(i)
+            if meta.on_layer_end is not None:
+                meta.on_layer_end(i)
         return self.norm(x, residual)[0]
+
+    def _exact_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One C++ call for the whole stack, or one per layer when a layer hook streams the
+        KV out (the hook runs between layers, as on the module path)."""
+        e = meta.exact
+        assert e is not None, "the exact kernels need the runner's exact batch"
+        args = (rope[0].squeeze(1), rope[1].squeeze(1), meta.kv_cache, meta.slot_mapping,
+                e.block_tables, e.token_seq, e.context_lens)
+        decoder = self.exact_decoder
+        if meta.on_layer_end is None:
+            out: tuple[torch.Tensor, torch.Tensor] = decoder.forward(
+                x, None, *args, 0, len(self.layers))
+            return out
+        residual: torch.Tensor | None = None
+        for i in range(len(self.layers)):
+            x, residual = decoder.forward(x, residual, *args, i, i + 1)
+            meta.on_layer_end(i)
+        assert residual is not None
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -59,7 +59,8 @@ def load() -> ModuleType:
             _module = cpp_extension.load(
                 name=f"splitserve_exact_{digest}",
                 sources=[str(src / name) for name in ("exact.cpp", "attention.cpp",
-                                                          "layers.cpp", "rope.cpp")],
+                                                          "layers.cpp", "rope.cpp",
+                                                          "decoder.cpp")],
                 # no implicit FMA contraction: every rounding is the one written
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"], verbose=False)
@@ -113,15 +114,32 @@ class ExactLinear(nn.Module):
 
 def use_exact_kernels_(model: nn.Module) -> nn.Module:
     """Replaces every nn.Linear (projections and LM head) by an ExactLinear, in place (a
-    tied LM head gets its own packed copy; the embedding keeps the plain weight), and
-    switches every layer that has an exact kernel (`uses_exact_kernels`) to it."""
+    tied LM head gets its own packed copy; the embedding keeps the plain weight), then
+    switches every module that has an exact path to it: `uses_exact_kernels = True`, and
+    `use_exact_kernels()` called where a module defines it (it may build on the packed
+    projections: the decoder stack's one-call ExactDecoder)."""
     for module in list(model.modules()):
-        if hasattr(module, "uses_exact_kernels"):
-            setattr(module, "uses_exact_kernels", True)
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, ExactLinear(child))
+    for module in model.modules():
+        if hasattr(module, "uses_exact_kernels"):
+            setattr(module, "uses_exact_kernels", True)
+        switch = getattr(module, "use_exact_kernels", None)
+        if callable(switch):
+            switch()
     return model
+
+
+def exact_decoder(tensors: list[torch.Tensor], hidden: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, intermediate: int, eps: float) -> object:
+    """A stack of Llama decoder layers run by one C++ call (csrc/decoder.cpp): `tensors` are
+    7 per layer (input norm weight, packed QKV, QKV fp32 bias or an empty tensor, packed O,
+    post-attention norm weight, packed gate/up, packed down). Its
+    `forward(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
+    context_lens, begin, end)` runs layers [begin, end) and returns (x, residual)."""
+    return load().ExactDecoder([t.contiguous() for t in tensors], hidden, num_heads,
+                               num_kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

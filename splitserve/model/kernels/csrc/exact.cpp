@@ -248,7 +248,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
 
+void register_decoder(pybind11::module& m);  // decoder.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decoder(m);
   m.def("linear", &linear, "batch-invariant bf16 linear over packed weights");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
   m.def("rms_norm", &rms_norm, "(y, h): h = x + residual, y = RMSNorm(h)");
