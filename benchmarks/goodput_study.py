@@ -43,7 +43,7 @@ from splitserve.bench import (SLO, BenchConfig, BenchReport, LengthDist,  # noqa
 from splitserve.bench.arrivals import ArrivalInfo  # noqa: E402
 from splitserve.bench.client import ServerInfo  # noqa: E402
 from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
-from benchmarks.goodput_setups import (CALIBRATE_RUN, DEFAULT_CONFIGS,  # noqa: E402
+from benchmarks.goodput_setups import (chosen_layout, CALIBRATE_RUN, DEFAULT_CONFIGS,  # noqa: E402
                                        FIRST_POINT_RUN, MAX_MODEL_LEN, SETUPS, WARMUP_RUN,
                                        WORKLOADS, Workload, serving)
 from benchmarks.vllm_peer import VllmPeer  # noqa: E402
@@ -184,7 +184,8 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
         misses = [r for r, run in zip(s.rates, s.runs) if run.metrics.slo_attainment < TARGET
                   and (best is None or r > best)]
         rows.append({"config": name, "flags": " ".join(SETUPS[name].flags),
-                     "layout": SETUPS[name].layout, "max_rate": best,
+                     "layout": calib.get("layouts", {}).get(name, SETUPS[name].layout),
+                     "max_rate": best,
                      "first_miss": min(misses, default=None),
                      "points": [[r, run.metrics.slo_attainment] for r, run in zip(s.rates, s.runs)],
                      "failed": sum(run.metrics.num_failed for run in s.runs),
@@ -220,11 +221,16 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
     if calib is None and "agg" not in todo:  # the SLO is always measured on agg
         with serving(SETUPS["agg"], None) as url:
             calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
+    info = lengths(w, args.quick, args.n)[2]
+    hint = f"{info.mean_input_len:.0f}:{info.mean_output_len:.0f}"
     for name in todo:
         monitor = CpuMonitor().start()
-        with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None, args.peer) as url:
+        with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None, args.peer,
+                     hint) as url:
             if calib is None:  # name == "agg", first
                 calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
+            if SETUPS[name].takes_hint:
+                calib.setdefault("layouts", {})[name] = chosen_layout(url)
             sweeps[name] = sweep(url, name, w, SLO(**calib["slo"]), args)
         calib.setdefault("other_cpu_cores", {})[name] = monitor.stop()
         slo_path.write_text(json.dumps(calib, indent=1) + "\n")

@@ -139,7 +139,7 @@ def test_hand_written_parts_survive_and_default(tmp_path: Path) -> None:
 
 def test_default_configs_include_the_vllm_peer() -> None:
     args = study.parse_args([])
-    assert args.configs == ["agg", "disagg", "auto", "vllm"]
+    assert args.configs == ["agg", "disagg", "auto", "default", "vllm"]
     assert study.parse_args(["--configs", "agg, vllm"]).configs == ["agg", "vllm"]
     with pytest.raises(SystemExit):
         study.parse_args(["--configs", "agg,sglang"])
@@ -178,3 +178,39 @@ def test_no_run_reuses_another_runs_prompt_blocks(key: str) -> None:
     for a in range(len(blocks)):
         for b in range(a + 1, len(blocks)):
             assert not blocks[a] & blocks[b], (runs[a], runs[b])
+
+
+def test_the_default_setup_is_told_the_workload_and_reports_its_choice() -> None:
+    import http.server
+    import threading
+
+    from benchmarks.goodput_setups import SETUPS, chosen_layout
+
+    default = SETUPS["default"]
+    assert default.flags == () and default.takes_slo and default.takes_hint
+    assert not any(s.takes_hint for name, s in SETUPS.items() if name != "default")
+    pages = ['splitserve_layout_info{decode="2",layout="agg",prefill="0",reason="r"} 1.0\n',
+             'x 1\nsplitserve_layout_info{decode="1",layout="disagg",prefill="1",'
+             'reason="a, b"} 1.0\n', "x 1\n"]
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = pages.pop(0).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert chosen_layout(url) == "chose agg x2"
+        assert chosen_layout(url) == "chose disagg 1P+1D"
+        with pytest.raises(RuntimeError, match="no splitserve_layout_info"):
+            chosen_layout(url)
+    finally:
+        server.shutdown()

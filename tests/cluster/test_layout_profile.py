@@ -58,6 +58,24 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     assert calls == [[1], [2]]  # only the count it lacked
     # Another dtype is another key too.
     assert profile_key({**ARGS, "dtype": "float32"}, 1).fingerprint != key.fingerprint
+    # And other engine code (a faster kernel) is another key: its curves are measured anew.
+    assert key.code == profile.engine_code_digest() and len(key.code) == 16
+    assert ProfileCache(path).get(replace(key, code="0" * 16)) is None
+
+
+def test_the_code_digest_follows_the_engine_sources(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "splitserve"
+    (root / "engine").mkdir(parents=True)
+    (root / "model" / "kernels" / "csrc").mkdir(parents=True)
+    (root / "engine" / "runner.py").write_text("a = 1\n")
+    kernel = root / "model" / "kernels" / "csrc" / "attention.cpp"
+    kernel.write_text("// v1\n")
+    monkeypatch.setattr(profile, "__file__", str(root / "cluster" / "planner" / "profile.py"))
+    first = profile.engine_code_digest()
+    kernel.write_text("// v2\n")
+    assert profile.engine_code_digest() != first
+    kernel.write_text("// v1\n")
+    assert profile.engine_code_digest() == first
 
 
 def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ hold another engine's curves.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -68,6 +69,9 @@ class ProfileKey:
     threads: int
     cpu_model: str
     max_num_batched_tokens: int
+    # Digest of the engine's and the model's code (engine_code_digest): a faster kernel
+    # or runner measures again instead of reusing the old code's curves.
+    code: str = ""
 
     @property
     def cache_id(self) -> str:
@@ -91,6 +95,18 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def engine_code_digest() -> str:
+    """blake2b over the sources that decide a step's time: splitserve/engine and
+    splitserve/model (the exact kernels' C++ included)."""
+    root = Path(__file__).resolve().parents[2]
+    files = sorted(p for d in ("engine", "model") for p in (root / d).rglob("*")
+                   if p.suffix in (".py", ".cpp", ".h"))
+    h = hashlib.blake2b(digest_size=8)
+    for path in files:
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def default_cache_path() -> Path:
@@ -121,7 +137,7 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
     fingerprint = model_fingerprint(ckpt.spec, kv_dtype, config.cache.block_size, digest,
                                     kernels=EXACT_KERNELS if invariant else "default")
     return ProfileKey(fingerprint, kv_dtype, invariant, threads, cpu_model(),
-                      config.scheduler.max_num_batched_tokens)
+                      config.scheduler.max_num_batched_tokens, engine_code_digest())
 
 
 def fit_curves(prefill: Sequence[tuple[int, float]],
