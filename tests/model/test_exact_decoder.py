@@ -1,0 +1,104 @@
+"""The one-call decoder stack (kernels.exact_decoder, csrc/decoder.cpp) is the kernels
+composed op by op, bit for bit: the "captured" step against its eager composition, in bf16,
+for a whole stack and for the per-layer calls layer-wise KV streaming makes, on both ISA
+paths; its KV writes are the same bits too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.model import kernels
+from splitserve.model.attention import AttentionMetadata, ExactBatch, forward_context
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.spec import ModelSpec
+
+pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
+                                reason="exact kernels need an x86 CPU with AVX2")
+
+BLOCK, NUM_BLOCKS = 16, 24
+
+
+def _model(attention_bias: bool) -> LlamaForCausalLM:
+    torch.manual_seed(7)
+    spec = ModelSpec("qwen2" if attention_bias else "llama", vocab_size=300, hidden_size=128,
+                     intermediate_size=320, num_layers=3, num_heads=6, num_kv_heads=2,
+                     head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=512, tie_word_embeddings=True,
+                     attention_bias=attention_bias)
+    model = LlamaForCausalLM(spec)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = model.to(torch.bfloat16)
+    kernels.use_exact_kernels_(model)
+    return model
+
+
+def _step(model: LlamaForCausalLM) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """A mixed step: a 20-token prefill chunk after 9 cached tokens, and two decodes."""
+    spec = model.spec
+    kv = (torch.randn(spec.num_layers, 2, NUM_BLOCKS, BLOCK, spec.num_kv_heads, spec.head_dim)
+          * 0.5).to(torch.bfloat16)
+    tables = torch.tensor([[3, 7, 1], [5, 0, 0], [9, 11, 2]], dtype=torch.int32)
+    seqs = [(0, list(range(9, 29))), (1, [13]), (2, [40])]
+    token_seq, positions, slots = [], [], []
+    for s, pos in seqs:
+        for p in pos:
+            token_seq.append(s)
+            positions.append(p)
+            slots.append(int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK)
+    exact = ExactBatch(tables, torch.tensor(token_seq, dtype=torch.int32),
+                       torch.tensor([p + 1 for p in positions], dtype=torch.int32))
+    meta = AttentionMetadata(kv, torch.tensor(slots), 0, None, None, [], [], exact=exact)
+    ids = torch.randint(0, spec.vocab_size, (len(positions),))
+    return meta, ids, torch.tensor(positions)
+
+
+def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
+           positions: torch.Tensor) -> torch.Tensor:
+    """The stack op by op, each kernel called from Python (the former module path)."""
+    m, spec, e = model.model, model.spec, meta.exact
+    assert e is not None
+    x = m.embed_tokens(ids)
+    cos, sin = (t.squeeze(1) for t in m.rotary.table(positions, x.dtype))
+    residual = None
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, spec.rms_norm_eps,
+                                       residual)
+        q = kernels.rope_write_kv(a.qkv_proj(h), cos, sin, meta.kv_cache[i],
+                                  meta.slot_mapping, spec.num_heads)
+        out = kernels.paged_attention(q, meta.kv_cache[i], e.block_tables, e.token_seq,
+                                      e.context_lens, spec.head_dim ** -0.5)
+        h, residual = kernels.rms_norm(a.o_proj(out.flatten(1)),
+                                       layer.post_attention_layernorm.weight,
+                                       spec.rms_norm_eps, residual)
+        x = layer.mlp.down_proj(kernels.silu_mul(layer.mlp.gate_up_proj(h)))
+    return kernels.rms_norm(x, m.norm.weight, spec.rms_norm_eps, residual)[0]
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool) -> None:
+    model = _model(attention_bias)
+    assert model.model.exact_decoder is not None
+    ops = kernels.load()
+    before = ops.get_isa()
+    try:
+        for isa in range(1, before + 1):  # AVX2, then AVX-512 BF16 where the CPU has it
+            ops.set_isa(isa)
+            meta, ids, positions = _step(model)
+            kv0 = meta.kv_cache.clone()
+            want = _eager(model, meta, ids, positions)
+            kv_want = meta.kv_cache.clone()
+            for hook in (None, []):  # one call; one call per layer with a hook between
+                meta.kv_cache.copy_(kv0)
+                meta.on_layer_end = None if hook is None else hook.append
+                with forward_context(meta), torch.inference_mode():
+                    got = model(ids, positions)
+                assert torch.equal(got, want), (isa, hook)
+                assert torch.equal(meta.kv_cache, kv_want), (isa, hook)
+                if hook is not None:
+                    assert hook == list(range(model.spec.num_layers))
+            assert not torch.equal(kv0, kv_want)  # the step did write its KV
+    finally:
+        ops.set_isa(before)
