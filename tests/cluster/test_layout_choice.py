@@ -2,6 +2,8 @@
 what the operator fixed (no engine here: the curves source is a stand-in)."""
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,16 +11,22 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from splitserve.cluster.launcher import worker_specs
+from splitserve.cluster import launcher as launcher_mod
+from splitserve.cluster.launcher import Cluster, worker_specs
 from splitserve.cluster.planner import layout as layout_mod
-from splitserve.cluster.planner.auto_layout import publish_layout, resolve_layout
-from splitserve.cluster.planner.capacity import Curves, Demand, fit_at
-from splitserve.cluster.planner.layout import (SLOTarget, WorkloadHint, candidate_shapes,
-                                               candidate_threads, choose_layout)
+from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
+                                                    router_tpot_slo_s)
+from splitserve.cluster.planner.capacity import Curves, Demand, fit_at, local_share
+from splitserve.cluster.planner.layout import (Shape, SLOTarget, WorkloadHint,
+                                               candidate_shapes, candidate_threads,
+                                               choose_layout)
 from splitserve.cluster.planner.model import Layout, PlannerConfig
 from splitserve.cluster.planner.profile import CostCurves
 from splitserve.cluster.protocol import Role
+from splitserve.cluster.router.config import DisaggPolicy
 from splitserve.cluster.router.cost_model import Quadratic
+from splitserve.cluster.runtime.base import WorkerSpec
+from splitserve.cluster.runtime.local import LocalRuntime
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError
 
@@ -32,31 +40,56 @@ CURVES = {1: Curves(PREFILL_1, DECODE_1, 64), 2: Curves(PREFILL_2, DECODE_2, 64)
 
 
 def test_candidates_split_the_cores_evenly() -> None:
-    assert candidate_shapes(2) == [(Layout.AGG, 0, 1, 2), (Layout.AGG, 0, 2, 1),
-                                   (Layout.DISAGG, 1, 1, 1)]
+    assert candidate_shapes(2) == [(Shape.AGG, 0, 1, 2), (Shape.AGG, 0, 2, 1),
+                                   (Shape.DISAGG, 1, 1, 1), (Shape.MIXED, 1, 1, 1)]
     assert candidate_threads(2) == [1, 2]
     assert candidate_threads(16) == [1, 2, 4, 8, 16]
-    assert candidate_shapes(1) == [(Layout.AGG, 0, 1, 1)]
+    assert candidate_shapes(1) == [(Shape.AGG, 0, 1, 1)]
     # --threads-per-worker 2 on 4 cores: at most two workers, two threads each
     assert candidate_shapes(4, threads_per_worker=2) == [
-        (Layout.AGG, 0, 1, 2), (Layout.AGG, 0, 2, 2), (Layout.DISAGG, 1, 1, 2)]
+        (Shape.AGG, 0, 1, 2), (Shape.AGG, 0, 2, 2), (Shape.DISAGG, 1, 1, 2),
+        (Shape.MIXED, 1, 1, 2)]
+    # Each kind's workers (the planner's Layout) and router policy.
+    assert [(k.layout, k.disagg_policy) for k in Shape] == [
+        (Layout.AGG, "never"), (Layout.DISAGG, "always"), (Layout.DISAGG, "auto")]
 
 
-def test_prompt_heavy_with_a_strict_tpot_goes_disaggregated() -> None:
+def test_prompt_heavy_with_a_strict_tpot_goes_to_a_prefill_pool() -> None:
     """A 1536-token prompt stalls a colocated worker's decodes for over a second: with a
-    TPOT target just above the batch-1 step, only a decode pool of its own meets it."""
+    TPOT target just above the batch-1 step, only a decode pool of its own meets it. No
+    local prefill fits that target (mixed == disagg): within 10%, mixed wins."""
     hint = WorkloadHint(1536, 128)
     strict = choose_layout(CURVES, hint, SLOTarget(4.0, 0.022), cores=2)
     assert (strict.layout, strict.num_prefill, strict.num_decode) == (Layout.DISAGG, 1, 1)
+    assert strict.shape is Shape.MIXED and strict.label == "mixed 1P+1D"
     assert strict.disagg_policy == "auto" and strict.threads_per_worker == 1
     rates = {c.label: c.max_rate for c in strict.candidates}
     assert rates["disagg 1P+1D"] > max(rates["agg x2"], rates["agg x1 (2 threads)"]) / 0.9
-    assert strict.reason.startswith("disagg 1P+1D: 0.35 req/s vs ")
+    assert rates["mixed 1P+1D"] == rates["disagg 1P+1D"]
+    assert strict.reason.startswith("mixed 1P+1D: 0.35 req/s vs disagg 1P+1D 0.35 req/s, ")
     assert "TTFT 4000 ms / TPOT 22 ms (p90) for 1536+128-token requests" in strict.reason
+    assert "within 10% of disagg 1P+1D: mixed" in strict.reason
     # The same machine and prompts with a loose TPOT: two colocated workers serve more.
     loose = choose_layout(CURVES, hint, SLOTarget(4.0, 0.1), cores=2)
     assert (loose.layout, loose.num_decode, loose.disagg_policy) == (Layout.AGG, 2, "never")
 
+
+def test_prefill_bound_traffic_with_room_under_tpot_goes_mixed() -> None:
+    """384-token prompts, 16-token outputs, TPOT 40 ms: the prefill worker is the
+    bottleneck of disagg, a colocated worker's prefills break the TPOT target early, and
+    the decode worker has room to prefill a share of the prompts itself."""
+    config = PlannerConfig(slo_ttft_s=6.0, slo_tpot_s=0.04, max_workers=2)
+    choice = choose_layout(CURVES, WorkloadHint(384, 16), SLOTarget(6.0, 0.04), cores=2)
+    assert (choice.shape, choice.num_prefill, choice.num_decode) == (Shape.MIXED, 1, 1)
+    assert choice.layout is Layout.DISAGG and choice.disagg_policy == "auto"
+    rates = {c.label: c.max_rate for c in choice.candidates}
+    others = [r for label, r in rates.items() if label != "mixed 1P+1D"]
+    assert rates["mixed 1P+1D"] > max(others) / 0.9 and "within" not in choice.reason
+    assert choice.reason.startswith("mixed 1P+1D: 4.5 req/s vs ")
+    # At that rate the decode worker prefills part of the prompts, not all nor none.
+    at = Demand(rates["mixed 1P+1D"], 384, 16, 0, 0, 10.0)
+    assert 0 < local_share(at, CURVES[1], 1, 1, config) < 1
+    assert choice.to_dict()["layout"] == "mixed"
 
 def test_short_prompts_with_fast_prefill_stay_colocated() -> None:
     fast = {1: Curves(Quadratic(0.005, 0.0002, 0), DECODE_1, 64),
@@ -64,6 +97,7 @@ def test_short_prompts_with_fast_prefill_stay_colocated() -> None:
     choice = choose_layout(fast, WorkloadHint(128, 128), SLOTarget(1.0, 0.08), cores=2)
     assert (choice.layout, choice.num_prefill, choice.num_decode) == (Layout.AGG, 0, 2)
     assert choice.label == "agg x2" and choice.reason.startswith("agg x2: ")
+    assert choice.shape is Shape.AGG and choice.disagg_policy == "never"
     best = max(choice.candidates, key=lambda c: c.max_rate)
     assert best.label == "agg x2" and "within" not in choice.reason
     # The rate is where the model's predictions cross the targets.
@@ -84,17 +118,31 @@ def test_one_core_is_one_colocated_worker() -> None:
     assert [c.label for c in choice.candidates] == ["agg x1"]
 
 
-def test_a_colocated_layout_within_ten_percent_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    def rates(disagg: float, agg2: float) -> Any:
-        table = {(Layout.DISAGG, 1): disagg, (Layout.AGG, 2): agg2, (Layout.AGG, 1): 0.1}
-        return lambda layout, curves, num_p, num_d, *_: table[(layout, num_d)]
+def test_within_ten_percent_colocated_then_mixed_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    def rates(disagg: float, agg2: float, mixed: float = 0.0) -> Any:
+        table = {(Shape.DISAGG, 1): disagg, (Shape.MIXED, 1): mixed, (Shape.AGG, 2): agg2,
+                 (Shape.AGG, 1): 0.1}
+        return lambda shape, curves, num_p, num_d, *_: table[(shape, num_d)]
+
+    def choose() -> Any:
+        return choose_layout(CURVES, WorkloadHint(512, 128), SLOTarget(2.0, 0.05), cores=2)
 
     monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.95))
-    close = choose_layout(CURVES, WorkloadHint(512, 128), SLOTarget(2.0, 0.05), cores=2)
+    close = choose()
     assert close.label == "agg x2" and "within 10% of disagg 1P+1D" in close.reason
     monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.85))
-    far = choose_layout(CURVES, WorkloadHint(512, 128), SLOTarget(2.0, 0.05), cores=2)
-    assert far.label == "disagg 1P+1D"
+    far = choose()
+    assert (far.label, far.disagg_policy) == ("disagg 1P+1D", "always")
+    assert "within" not in far.reason
+    # mixed within 10% of disagg: mixed, unless a colocated layout is within 10% too.
+    monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.85, mixed=0.92))
+    mixed = choose()
+    assert (mixed.label, mixed.disagg_policy) == ("mixed 1P+1D", "auto")
+    assert "within 10% of disagg 1P+1D: mixed" in mixed.reason
+    monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.91, mixed=0.99))
+    assert choose().label == "agg x2"
+    monkeypatch.setattr(layout_mod, "max_rate", rates(disagg=1.0, agg2=0.85, mixed=0.89))
+    assert choose().label == "disagg 1P+1D"
 
 
 def test_without_slos_the_targets_come_from_the_measured_costs() -> None:
@@ -138,10 +186,25 @@ def test_auto_resolves_to_the_chosen_pools() -> None:
         "agg", 0, 2)
     specs = worker_specs(resolved.config, "tcp://127.0.0.1:1")
     assert [s.role for s in specs] == [Role.BOTH, Role.BOTH]
+    assert resolved.config.disagg_policy == "never"
     strict = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
                                         slo_tpot_ms=22), _source(calls, measured), cores=2)
     assert (strict.config.mode, strict.config.prefill, strict.config.decode) == (
         "disagg", 1, 1)
+    assert strict.choice.label == "mixed 1P+1D" and strict.config.disagg_policy == "auto"
+    # --disagg-policy always with auto: mixed is not compared; disagg runs every prompt
+    # remote, and the reason says why mixed is missing.
+    always = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
+                                        slo_tpot_ms=22, disagg_policy="always"),
+                            _source(calls, measured), cores=2)
+    assert always.choice.label == "disagg 1P+1D" and always.config.disagg_policy == "always"
+    assert all(c.shape is not Shape.MIXED for c in always.choice.candidates)
+    assert "--disagg-policy always given: only agg and disagg compared" in always.choice.reason
+    never = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
+                                       slo_tpot_ms=22, disagg_policy="never"),
+                           _source(calls, measured), cores=2)
+    assert never.config.mode == "agg" and {c.shape for c in never.choice.candidates} == {
+        Shape.AGG}
     # One SLO given: the other is derived, and the reason says so.
     half = resolve_layout(ServeConfig(slo_ttft_ms=4000), _source(calls, measured), cores=2)
     assert half.choice.slo is not None and half.choice.slo.ttft_s == 4.0
@@ -151,6 +214,8 @@ def test_auto_resolves_to_the_chosen_pools() -> None:
 @pytest.mark.parametrize("config, expected, reason", [
     (ServeConfig(mode="agg", decode=2), ("agg", 0, 2), "--mode agg given"),
     (ServeConfig(mode="disagg"), ("disagg", 1, 1), "--mode disagg given"),
+    (ServeConfig(mode="disagg", disagg_policy="always"), ("disagg", 1, 1),
+     "--mode disagg given"),
     (ServeConfig(prefill=1, decode=2), ("disagg", 1, 2), "pool counts given"),
     (ServeConfig(decode=3), ("disagg", 1, 3), "pool counts given"),
     (ServeConfig(planner="on", slo_ttft_ms=1000, slo_tpot_ms=50), ("disagg", 1, 1),
@@ -165,6 +230,13 @@ def test_what_the_operator_fixed_is_honoured_without_measuring(
     assert calls == []
     assert (choice.layout.value, choice.num_prefill, choice.num_decode) == expected
     assert resolved.config.mode == expected[0] and reason in choice.reason
+    # The user's --disagg-policy stands; disagg under auto runs (and is labeled) mixed.
+    assert resolved.config.disagg_policy == config.disagg_policy
+    policy = "never" if config.mode == "agg" else config.disagg_policy
+    assert choice.disagg_policy == policy
+    assert choice.shape.value == {"never": "agg", "always": "disagg", "auto": "mixed"}[policy]
+    assert router_tpot_slo_s(resolved.config, choice) == (
+        config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None)
     assert len(worker_specs(resolved.config, "tcp://127.0.0.1:1")) == expected[1] + expected[2]
 
 
@@ -182,9 +254,10 @@ def test_the_choice_is_exposed_as_an_info_metric() -> None:
     publish_layout(registry, choice)
     text = generate_latest(registry).decode()
     line = next(x for x in text.splitlines() if x.startswith("splitserve_layout_info{"))
-    assert 'layout="disagg"' in line and 'prefill="1"' in line and 'decode="1"' in line
-    assert 'reason="disagg 1P+1D: 0.35 req/s vs ' in line and line.endswith(" 1.0")
-    assert choice.to_dict()["candidates"][0]["layout"] == "agg x1 (2 threads)"
+    assert 'layout="mixed"' in line and 'prefill="1"' in line and 'decode="1"' in line
+    assert 'reason="mixed 1P+1D: 0.35 req/s vs ' in line and line.endswith(" 1.0")
+    candidates = choice.to_dict()["candidates"]
+    assert isinstance(candidates, list) and candidates[0]["layout"] == "agg x1 (2 threads)"
 
 
 def test_serve_config_checks_the_hint_and_defaults_to_auto() -> None:
@@ -195,3 +268,55 @@ def test_serve_config_checks_the_hint_and_defaults_to_auto() -> None:
             ServeConfig(workload_hint=bad)
     with pytest.raises(ValueError, match="--planner needs"):
         ServeConfig(mode="agg", planner="on", slo_ttft_ms=1000, slo_tpot_ms=50)
+
+
+class _Reserved(Exception):
+    """Raised where the cluster would start worker processes: what was built is checked."""
+
+
+class _NoWorkers(LocalRuntime):
+    def __init__(self) -> None:
+        super().__init__()
+        self.specs: list[WorkerSpec] = []
+
+    def reserve(self, specs: list[WorkerSpec], timeout_s: float) -> None:
+        self.specs = specs
+        raise _Reserved
+
+
+@pytest.mark.parametrize("rates, label, policy, roles", [
+    ({Shape.MIXED: 2.0, Shape.DISAGG: 1.0, Shape.AGG: 1.0}, "mixed 1P+1D", DisaggPolicy.AUTO,
+     [Role.PREFILL, Role.DECODE]),
+    ({Shape.MIXED: 1.0, Shape.DISAGG: 2.0, Shape.AGG: 1.0}, "disagg 1P+1D",
+     DisaggPolicy.ALWAYS, [Role.PREFILL, Role.DECODE]),
+    ({Shape.MIXED: 1.0, Shape.DISAGG: 1.0, Shape.AGG: 2.0}, "agg x2", DisaggPolicy.NEVER,
+     [Role.BOTH, Role.BOTH]),
+])
+def test_the_chosen_policy_reaches_the_router(
+        monkeypatch: pytest.MonkeyPatch, rates: dict[Shape, float], label: str,
+        policy: DisaggPolicy, roles: list[Role]) -> None:
+    """Cluster.start as `splitserve serve` runs it (no flags but the hint), up to where the
+    workers would start: the dispatcher's router has the chosen kind's policy and, for
+    mixed, the TPOT target its local prefills were modeled within (derived here: no SLO
+    flags); the worker specs and /metrics match the choice."""
+    measured = {1: CostCurves(PREFILL_1, DECODE_1), 2: CostCurves(PREFILL_2, DECODE_2)}
+    monkeypatch.setattr(launcher_mod, "resolve_layout", functools.partial(
+        resolve_layout, curves=_source([], measured), cores=2))
+    # The winner by a margin: each kind's rate (agg x1 far behind), not the model's.
+    monkeypatch.setattr(layout_mod, "max_rate", lambda shape, curves, num_p, num_d, *_:
+                        rates[shape] * (0.1 if shape is Shape.AGG and num_d == 1 else 1))
+    runtime = _NoWorkers()
+    cluster = Cluster(ServeConfig(workload_hint="512:128"), runtime=runtime)
+    with pytest.raises(_Reserved):
+        asyncio.run(cluster.start())
+    assert cluster.layout is not None and cluster.dispatcher is not None
+    assert cluster.layout.label == label and cluster.config.disagg_policy == policy.name.lower()
+    router = cluster.dispatcher.router.config
+    assert router.disagg is policy
+    assert cluster.layout.slo is not None and cluster.dispatcher.slo_tpot_s is None
+    expected_tpot = cluster.layout.slo.tpot_s if policy is DisaggPolicy.AUTO else None
+    assert router.tpot_slo_s == expected_tpot
+    assert [s.role for s in runtime.specs] == roles
+    text = generate_latest(cluster.dispatcher.metrics.registry).decode()
+    line = next(x for x in text.splitlines() if x.startswith("splitserve_layout_info{"))
+    assert f'layout="{label.split()[0]}"' in line

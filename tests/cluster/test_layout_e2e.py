@@ -21,7 +21,9 @@ def test_the_default_mode_measures_chooses_and_serves(start_server: Any,
     server = start_server("--profile-cache", str(cache), "--workload-hint", "256:64",
                           "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20))
     layout = server.get_json("/admin/health")["layout"]
-    assert layout["layout"] in ("agg", "disagg"), layout
+    assert layout["layout"] in ("agg", "disagg", "mixed"), layout
+    policy = {"agg": "never", "disagg": "always", "mixed": "auto"}[layout["layout"]]
+    assert layout["disagg_policy"] == policy, layout
     # Measured and compared: every candidate on this machine's cores has a rate.
     cores = len(os.sched_getaffinity(0))
     assert len(layout["candidates"]) >= 2 if cores > 1 else len(layout["candidates"]) == 1

@@ -2,7 +2,13 @@
 for this machine (layout.py, from curves measured by profile.py) in place of "auto", and
 the choice itself for the startup log, /metrics (`splitserve_layout_info`) and
 /admin/health. An explicit `--mode agg|disagg` passes through unchanged (its choice says
-so).
+so; disagg under --disagg-policy auto is labeled "mixed", the layout it runs).
+
+The chosen kind's disaggregation policy replaces --disagg-policy in the ServeConfig:
+"never" for agg, "always" for disagg, "auto" for mixed. A --disagg-policy other than
+auto limits the kinds compared: always drops mixed, never keeps only agg. Mixed's model
+assumes the router's TPOT budget at the target it was scored at: without --slo-tpot-ms
+the router gets the derived one (router_tpot_slo_s).
 
 With auto, what the operator fixed is honoured rather than second-guessed:
 - pool counts (--prefill, --decode or --worker-cores): the former default, disagg with
@@ -27,9 +33,8 @@ from typing import Any, NamedTuple
 from prometheus_client import CollectorRegistry, Info
 
 from splitserve.cluster.planner.capacity import Curves
-from splitserve.cluster.planner.layout import (LayoutChoice, SLOTarget, WorkloadHint,
+from splitserve.cluster.planner.layout import (LayoutChoice, Shape, SLOTarget, WorkloadHint,
                                                candidate_threads, choose_layout, default_slo)
-from splitserve.cluster.planner.model import Layout
 from splitserve.cluster.planner.profile import CostCurves, cached_curves
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError
@@ -39,6 +44,8 @@ logger = logging.getLogger("splitserve.layout")
 # (engine args, thread counts, cache file or None) -> curves at each count
 CurvesSource = Callable[[Mapping[str, Any], Sequence[int], Path | None],
                         Mapping[int, CostCurves]]
+# --disagg-policy -> the kinds --mode auto compares (the default, auto: all of them)
+_KINDS = {"auto": tuple(Shape), "always": (Shape.AGG, Shape.DISAGG), "never": (Shape.AGG,)}
 
 
 class ResolvedLayout(NamedTuple):
@@ -57,8 +64,19 @@ def resolve_layout(config: ServeConfig, curves: CurvesSource = _measured,
     `cores`: None, this process's. Blocks while measuring (under a minute on 2 cores;
     profile.PROFILE_TIMEOUT_S at most): run it off the event loop."""
     resolved = _resolve(config, curves, cores)
-    logger.info("layout: %s (%s)", resolved.choice.label, resolved.choice.reason)
+    logger.info("layout: %s, --disagg-policy %s (%s)", resolved.choice.label,
+                resolved.choice.disagg_policy, resolved.choice.reason)
     return resolved
+
+
+def router_tpot_slo_s(config: ServeConfig, choice: LayoutChoice) -> float | None:
+    """The router's TPOT budget: --slo-tpot-ms, else for a chosen mixed layout the target
+    it was scored at (its local prefills were modeled within it), else None."""
+    if config.slo_tpot_ms:
+        return config.slo_tpot_ms / 1000
+    if choice.shape is Shape.MIXED and choice.candidates and choice.slo is not None:
+        return choice.slo.tpot_s
+    return None
 
 
 def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> ResolvedLayout:
@@ -88,15 +106,21 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
     by_threads = {t: Curves(c.prefill, c.decode, config.max_num_seqs)
                   for t, c in found.items()}
     hint = WorkloadHint(*config.workload_tokens)
+    kinds = _KINDS[config.disagg_policy]
     choice = choose_layout(by_threads, hint, _slo(config, by_threads, hint), cores,
-                           threads_per_worker=config.threads_per_worker,
-                           disagg_policy=config.disagg_policy)
+                           threads_per_worker=config.threads_per_worker, kinds=kinds)
     if bool(config.slo_ttft_ms) != bool(config.slo_tpot_ms):
         missing = "--slo-tpot-ms" if config.slo_ttft_ms else "--slo-ttft-ms"
         choice = replace(choice, reason=f"{choice.reason}; {missing} not given: derived "
                                         f"from the measured costs")
+    if config.disagg_policy != "auto":
+        choice = replace(choice, reason=f"{choice.reason}; --disagg-policy "
+                                        f"{config.disagg_policy} given: only "
+                                        f"{' and '.join(k.value for k in kinds)} compared")
     return ResolvedLayout(replace(config, mode=choice.layout.value, prefill=choice.num_prefill,
-                                  decode=choice.num_decode), choice)
+                                  decode=choice.num_decode,
+                                  disagg_policy=choice.disagg_policy), choice)
+
 
 
 def _slo(config: ServeConfig, curves: Mapping[int, Curves],
@@ -112,16 +136,17 @@ def _slo(config: ServeConfig, curves: Mapping[int, Curves],
 def _given(config: ServeConfig, reason: str) -> ResolvedLayout:
     """An explicit layout's choice; its counts as the launcher will start them."""
     num_prefill, num_decode = config.pool_sizes
-    layout = Layout(config.mode)
+    shape = Shape.of(config.mode, config.disagg_policy)
     return ResolvedLayout(config, LayoutChoice(
-        layout, num_prefill if layout is Layout.DISAGG else 0, num_decode,
+        shape, 0 if shape is Shape.AGG else num_prefill, num_decode,
         config.threads_per_worker,
-        config.disagg_policy if layout is Layout.DISAGG else "never", reason))
+        "never" if shape is Shape.AGG else config.disagg_policy, reason))
 
 
 def publish_layout(registry: CollectorRegistry, choice: LayoutChoice) -> None:
-    """`splitserve_layout_info{layout, prefill, decode, reason} 1` in `registry`."""
+    """`splitserve_layout_info{layout, prefill, decode, reason} 1` in `registry`; layout
+    is agg, disagg or mixed."""
     Info("splitserve_layout", "The worker layout serving and why it was chosen (--mode)",
-         registry=registry).info({"layout": choice.layout.value,
+         registry=registry).info({"layout": choice.shape.value,
                                   "prefill": str(choice.num_prefill),
                                   "decode": str(choice.num_decode), "reason": choice.reason})

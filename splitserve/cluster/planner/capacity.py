@@ -1,5 +1,6 @@
 """Capacity with queueing: predicted TTFT and TPOT of a layout at given worker counts, and
-the smallest counts that meet the SLOs. The equations are in planner.py's docstring."""
+the smallest counts that meet the SLOs. The equations are in planner.py's docstring;
+fit_mixed's (decode workers that also prefill, --disagg-policy auto) in its own."""
 from __future__ import annotations
 
 import math
@@ -7,9 +8,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from splitserve.cluster.planner.model import Layout, PlannerConfig
+from splitserve.cluster.router.config import KVLayout, RouterConfig
 from splitserve.cluster.router.cost_model import Quadratic
 
 INF = float("inf")
+_SHARE_STEPS = 32  # bisection steps of the local share: to ~2e-10
 
 
 class Demand(NamedTuple):
@@ -127,6 +130,98 @@ def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerCon
     # A prompt rides one step with the running batch: its service includes that step.
     with_step = service + step if service > 0 else 0.0
     ttft = wait_quantile(demand.prefill_rate, with_step, num_workers, config) + with_step
+    return Fit(ttft, tpot)
+
+
+def mean_wait(rate: float, service_s: float, servers: int, config: PlannerConfig) -> float:
+    """Mean queueing delay (M/M/c: C * S / (c - a), Allen-Cunneen scaled); inf when the
+    servers cannot keep up."""
+    if rate <= 0 or service_s <= 0:
+        return 0.0
+    offered = rate * service_s
+    if offered >= servers:
+        return INF
+    mmc = erlang_c(servers, offered) * service_s / (servers - offered)
+    return mmc * (config.arrival_cv2 + config.service_cv2) / 2
+
+
+def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
+                config: PlannerConfig, router: RouterConfig = RouterConfig(),
+                kv: KVLayout = KVLayout()) -> float:
+    """The share f of prompts the decode workers of a mixed layout prefill themselves
+    (fit_mixed's docstring); the rest go to the prefill pool."""
+    rate = demand.prefill_rate
+    service = curves.prefill_s(demand.prompt_tokens)
+    per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_decode)
+    if per_worker > curves.max_num_seqs:
+        return 0.0
+    step = curves.step_s(per_worker)
+    window = router.tpot_window_tokens
+    slack = 1 - (step + service / window) / config.slo_tpot_s  # the most u may be
+    if slack <= 0:
+        return 0.0
+    most = 1.0 if rate * service <= 0 else min(1.0, slack * num_decode / (rate * service))
+    stall = per_worker * service / window
+    transfer = (router.transfer_latency_s + demand.prompt_tokens * kv.kv_bytes_per_token
+                / router.transfer_bandwidth_bytes_s)
+    weight = router.load_weight
+
+    def cheaper_locally(share: float) -> bool:
+        local = mean_wait(share * rate, service + step, num_decode, config)
+        remote = mean_wait((1 - share) * rate, service, num_prefill, config)
+        return weight * (local + stall) <= weight * remote + transfer
+
+    if cheaper_locally(most):
+        return most
+    if not cheaper_locally(0.0):
+        return 0.0
+    lo, hi = 0.0, most  # cheaper_locally holds up to a point, then fails: bisect
+    for _ in range(_SHARE_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cheaper_locally(mid) else (lo, mid)
+    return lo
+
+
+def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
+              config: PlannerConfig, router: RouterConfig = RouterConfig(),
+              kv: KVLayout = KVLayout()) -> Fit:
+    """P prefill + D decode workers under the router's conditional disaggregation
+    (--disagg-policy auto, tpot_slo_s = slo_tpot_s): a fluid model of its rule
+    (router.py's docstring). Per decode worker, with lambda = prefill_rate, S = S(prompt),
+    n = ceil(N / D) sequences (N as in fit_disagg), step = D(n), W = tpot_window_tokens:
+
+      local prefill utilisation  u = f lambda S / D
+      TPOT rule   step + (recent + S) / W <= slo_tpot, recent = u W slo_tpot (the local
+                  prefills of the TPOT horizon), i.e. u <= 1 - (step + S / W) / slo_tpot
+      cost rule   local when its cost is lower: the decode step and the prefill are on
+                  both sides, so load_weight (w_D + n S / W) <= load_weight w_P + transfer,
+                  w_D, w_P the mean waits of the local (service S + step, D servers, rate
+                  f lambda) and remote (S, P servers, (1 - f) lambda) queues
+      f           the largest share in [0, 1] meeting both (the cost rule holds up to a
+                  share, as the local wait grows with f and the remote one shrinks)
+      TPOT        step / (1 - u)                                        (as fit_agg)
+      TTFT        the worse of the local path, wait_q(f lambda, S + step, D) + S + step
+                  (the prompt rides a step, as fit_agg), and the remote one,
+                  wait_q((1 - f) lambda, S, P) + S (as fit_disagg)
+
+    f = 0 is fit_disagg exactly; f = 1 has fit_agg's TPOT on the D workers.
+    Not modeled: the length distribution (the prompt is a mean, so "short prompts go
+    local" is a share f, not a length threshold); KV transfer time in TTFT (it only
+    enters the cost rule); local prefills when every prefill worker is over budget (the
+    router's spill); the memory terms of the costs; the router's knobs and KV bytes per
+    token are `router` and `kv` (the defaults: the default model's)."""
+    share = local_share(demand, curves, num_prefill, num_decode, config, router, kv)
+    if share <= 0:
+        return fit_disagg(demand, curves, num_prefill, num_decode, config)
+    rate = demand.prefill_rate
+    service = curves.prefill_s(demand.prompt_tokens)
+    step = curves.step_s(math.ceil(demand.sequences(config.slo_tpot_s) / num_decode))
+    tpot = step / (1 - share * rate * service / num_decode)
+    with_step = service + step if service > 0 else 0.0
+    ttft = wait_quantile(share * rate, with_step, num_decode, config) + with_step
+    if share < 1:
+        remote = wait_quantile((1 - share) * rate, service, num_prefill, config) + service
+        ttft = max(ttft, remote)
     return Fit(ttft, tpot)
 
 

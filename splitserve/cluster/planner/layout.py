@@ -4,30 +4,44 @@ startup from measured cost curves (profile.py) by the planner's capacity model.
 Candidates on `cores` cores, each worker on its own even share of them (as the launcher
 pins workers):
     agg xN        N colocated workers, cores / N threads each     (N divides cores)
-    disagg P+D    P prefill + D decode workers, cores / (P + D) threads each, the router's
-                  conditional disaggregation on (--disagg-policy auto)
+    disagg P+D    P prefill + D decode workers, cores / (P + D) threads each, every prompt
+                  prefilled on the prefill pool (--disagg-policy always)
+    mixed P+D     the same workers under the router's conditional disaggregation
+                  (--disagg-policy auto): decode workers prefill the prompts that keep
+                  their running sequences within the TPOT target and cost less locally;
+                  the rest (long prompts, busy decode workers) go to the prefill pool
 With --threads-per-worker T every worker runs T threads and at most cores / T exist.
 Each candidate's score is the highest request rate at which capacity.py predicts that
-the SLO quantile of TTFT and TPOT is met (capacity.fit_agg, fit_disagg: queueing and
-prefill interference included). The best wins, except that a colocated layout within
-10% of it wins over a disaggregated one: fewer moving parts for a gain within the noise
-of the model. When no candidate meets the SLOs at any rate, the one closest to them
-unloaded wins and the reason says so.
+the SLO quantile of TTFT and TPOT is met (capacity.fit_agg, fit_disagg, fit_mixed:
+queueing and prefill interference included). The best wins, except within 10% of it
+(a gain within the noise of the model):
+- a colocated layout wins over the others: fewer moving parts;
+- else mixed wins over disagg. Both start the same processes and the model cannot tell
+  them apart, so what it leaves out decides: under auto the router chooses per request
+  from live costs and keeps a prompt remote whenever a local prefill would break the
+  TPOT budget (so mixed is disagg where local prefills do not pay: its local share is 0
+  there), prefills locally when every prefill worker is full where always would queue,
+  and moves fewer KV caches, whose transfer time neither model counts in TTFT. (The
+  router gets the TPOT target the choice was scored at: auto_layout.router_tpot_slo_s.)
+When no candidate meets the SLOs at any rate, the one closest to them unloaded wins and
+the reason says so.
 
-Not modeled (as in the planner): KV transfer time, decode workers of a disaggregated
-layout prefilling short prompts locally (so disagg is pessimistic on short prompts), and
-memory bandwidth shared between workers (so many small workers are optimistic).
+Not modeled (as in the planner): KV transfer time in TTFT, the prompt length
+distribution beyond its mean (mixed's "short prompts local" is a share, not a length
+threshold), and memory bandwidth shared between workers (so many small workers are
+optimistic).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 from splitserve.cluster.planner import capacity
 from splitserve.cluster.planner.capacity import Curves, Demand, Fit
 from splitserve.cluster.planner.model import Layout, PlannerConfig
 
-TIE_SHARE = 0.9  # a colocated layout within 10% of the best rate is chosen over it
+TIE_SHARE = 0.9  # a colocated (else mixed) layout within 10% of the best is chosen
 # Without SLOs: TTFT this many times the unloaded TTFT of the hint's prompt, TPOT this
 # many times the unloaded decode step (batch 1), both of a worker at the fewest threads
 # measured (one core's, unless --threads-per-worker): what one core does is the yardstick,
@@ -62,11 +76,47 @@ class SLOTarget:
                              f"TPOT {self.tpot_s})")
 
 
+class Shape(str, Enum):
+    """A candidate's kind: the workers it starts (a planner Layout, which the planner also
+    scales) and the router's disaggregation policy. The values are log and metric labels."""
+
+    AGG = "agg"  # colocated workers (Role.BOTH)
+    DISAGG = "disagg"  # prefill + decode pools, every prompt remote
+    MIXED = "mixed"  # prefill + decode pools, decode workers prefill what fits locally
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.AGG if self is Shape.AGG else Layout.DISAGG
+
+    @property
+    def disagg_policy(self) -> str:
+        """The router's --disagg-policy for this kind."""
+        return {Shape.AGG: "never", Shape.DISAGG: "always", Shape.MIXED: "auto"}[self]
+
+    @staticmethod
+    def of(mode: str, disagg_policy: str) -> Shape:
+        """The kind an explicit --mode and --disagg-policy run: disagg under auto is the
+        mixed layout."""
+        if mode == "agg":
+            return Shape.AGG
+        return Shape.MIXED if disagg_policy == "auto" else Shape.DISAGG
+
+    def label(self, num_prefill: int, num_decode: int) -> str:
+        """e.g. "agg x2", "disagg 1P+1D", "mixed 1P+1D"."""
+        if self is Shape.AGG:
+            return f"agg x{num_decode}"
+        return f"{self.value} {num_prefill}P+{num_decode}D"
+
+
+# Within TIE_SHARE of the best the highest wins: colocated, then mixed (module docstring).
+_TIE_RANK = {Shape.AGG: 2, Shape.MIXED: 1, Shape.DISAGG: 0}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One layout and what the model predicts for it."""
 
-    layout: Layout
+    shape: Shape
     num_prefill: int  # 0 when colocated
     num_decode: int  # the colocated workers in the agg layout
     threads: int  # torch threads per worker
@@ -74,9 +124,12 @@ class Candidate:
     unloaded: Fit  # TTFT and TPOT at a vanishing rate
 
     @property
+    def layout(self) -> Layout:
+        return self.shape.layout
+
+    @property
     def label(self) -> str:
-        shape = (f"agg x{self.num_decode}" if self.layout is Layout.AGG
-                 else f"disagg {self.num_prefill}P+{self.num_decode}D")
+        shape = self.shape.label(self.num_prefill, self.num_decode)
         return shape if self.threads == 1 else f"{shape} ({self.threads} threads)"
 
 
@@ -84,7 +137,7 @@ class Candidate:
 class LayoutChoice:
     """The layout `splitserve serve` runs, and why: what /metrics and /admin/health show."""
 
-    layout: Layout
+    shape: Shape
     num_prefill: int
     num_decode: int
     threads_per_worker: int | None  # None: one per pinned core (not chosen here)
@@ -95,12 +148,16 @@ class LayoutChoice:
     slo_derived: bool = False  # no SLO flags: targets from the measured costs
 
     @property
+    def layout(self) -> Layout:
+        """The workers to start (ServeConfig.mode)."""
+        return self.shape.layout
+
+    @property
     def label(self) -> str:
-        return (f"agg x{self.num_decode}" if self.layout is Layout.AGG
-                else f"disagg {self.num_prefill}P+{self.num_decode}D")
+        return self.shape.label(self.num_prefill, self.num_decode)
 
     def to_dict(self) -> dict[str, object]:
-        return {"layout": self.layout.value, "prefill": self.num_prefill,
+        return {"layout": self.shape.value, "prefill": self.num_prefill,
                 "decode": self.num_decode, "threads_per_worker": self.threads_per_worker,
                 "disagg_policy": self.disagg_policy, "reason": self.reason,
                 "slo": asdict(self.slo) if self.slo else None, "slo_derived": self.slo_derived,
@@ -111,8 +168,8 @@ class LayoutChoice:
 
 
 def candidate_shapes(cores: int, threads_per_worker: int | None = None
-                     ) -> list[tuple[Layout, int, int, int]]:
-    """(layout, prefill, decode, threads) of every candidate on `cores` cores."""
+                     ) -> list[tuple[Shape, int, int, int]]:
+    """(shape, prefill, decode, threads) of every candidate on `cores` cores."""
     if cores < 1:
         raise ValueError(f"cores={cores} must be >= 1")
     if threads_per_worker is not None:
@@ -122,8 +179,9 @@ def candidate_shapes(cores: int, threads_per_worker: int | None = None
                  for n in range(1, max(1, cores // threads_per_worker) + 1)]
     else:
         sizes = [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0]
-    shapes = [(Layout.AGG, 0, n, t) for n, t in sizes]
-    shapes += [(Layout.DISAGG, p, n - p, t) for n, t in sizes for p in range(1, n)]
+    shapes = [(Shape.AGG, 0, n, t) for n, t in sizes]
+    shapes += [(kind, p, n - p, t) for n, t in sizes for p in range(1, n)
+               for kind in (Shape.DISAGG, Shape.MIXED)]
     return shapes
 
 
@@ -139,20 +197,24 @@ def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint)
                      DEFAULT_TPOT_FACTOR * curves.step_s(1))
 
 
-def _fit(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
+def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
          workload: WorkloadHint, rate: float, config: PlannerConfig) -> Fit:
     demand = Demand(rate, float(workload.prompt_tokens), float(workload.output_tokens),
                     backlog=0, running=0, interval_s=config.interval_s)
-    return capacity.fit_at(layout, demand, curves, num_prefill, num_decode, config)
+    if shape is Shape.MIXED:
+        if num_prefill < 1 or num_decode < 1:
+            return Fit(capacity.INF, capacity.INF)
+        return capacity.fit_mixed(demand, curves, num_prefill, num_decode, config)
+    return capacity.fit_at(shape.layout, demand, curves, num_prefill, num_decode, config)
 
 
-def max_rate(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
+def max_rate(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
              workload: WorkloadHint, config: PlannerConfig) -> float:
     """The highest arrival rate at which the predicted TTFT (at the attainment quantile)
     and TPOT meet config's SLOs; 0 when they are missed even unloaded. Predictions grow
     with the rate (more sequences per step, longer queues): bisect."""
     def meets(rate: float) -> bool:
-        fit = _fit(layout, curves, num_prefill, num_decode, workload, rate, config)
+        fit = _fit(shape, curves, num_prefill, num_decode, workload, rate, config)
         return fit.ttft_s <= config.slo_ttft_s and fit.tpot_s <= config.slo_tpot_s
 
     lo, hi = 0.0, 1e-3
@@ -168,12 +230,13 @@ def max_rate(layout: Layout, curves: Curves, num_prefill: int, num_decode: int,
 
 def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
                   slo: SLOTarget | None, cores: int, *, threads_per_worker: int | None = None,
-                  disagg_policy: str = "auto") -> LayoutChoice:
+                  kinds: Collection[Shape] = tuple(Shape)) -> LayoutChoice:
     """The layout for `cores` cores (see the module docstring). `curves_by_threads`: one
     worker's cost curves at each thread count (candidate_threads says which are needed;
-    a candidate whose count is missing is not considered). `slo` None: default_slo."""
+    a candidate whose count is missing is not considered). `slo` None: default_slo.
+    `kinds`: the shapes to compare (agg always is)."""
     shapes = [s for s in candidate_shapes(cores, threads_per_worker)
-              if s[3] in curves_by_threads]
+              if s[3] in curves_by_threads and (s[0] in kinds or s[0] is Shape.AGG)]
     if not shapes:
         raise ValueError(f"no cost curves for any of the thread counts "
                          f"{candidate_threads(cores, threads_per_worker)} on {cores} cores")
@@ -183,24 +246,23 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
     config = PlannerConfig(slo_ttft_s=target.ttft_s, slo_tpot_s=target.tpot_s,
                            max_workers=max(2, cores))
     found = []
-    for layout, num_p, num_d, threads in shapes:
+    for shape, num_p, num_d, threads in shapes:
         curves = curves_by_threads[threads]
         found.append(Candidate(
-            layout, num_p, num_d, threads,
-            max_rate(layout, curves, num_p, num_d, workload, config),
-            _fit(layout, curves, num_p, num_d, workload, 0.0, config)))
+            shape, num_p, num_d, threads,
+            max_rate(shape, curves, num_p, num_d, workload, config),
+            _fit(shape, curves, num_p, num_d, workload, 0.0, config)))
     best = max(found, key=lambda c: c.max_rate)
     if best.max_rate > 0:
         close = [c for c in found if c.max_rate >= TIE_SHARE * best.max_rate]
-        chosen = max(close, key=lambda c: (c.layout is Layout.AGG, c.max_rate))
+        chosen = max(close, key=lambda c: (_TIE_RANK[c.shape], c.max_rate))
     else:  # nothing meets them: the least over its targets unloaded
         chosen = min(found, key=lambda c: max(c.unloaded.ttft_s / target.ttft_s,
                                               c.unloaded.tpot_s / target.tpot_s))
     reason = _reason(chosen, best, found, workload, target,
                      min(usable) if derived else None, config.attainment_target)
-    return LayoutChoice(chosen.layout, chosen.num_prefill, chosen.num_decode, chosen.threads,
-                        disagg_policy if chosen.layout is Layout.DISAGG else "never", reason,
-                        tuple(found), target, derived)
+    return LayoutChoice(chosen.shape, chosen.num_prefill, chosen.num_decode, chosen.threads,
+                        chosen.shape.disagg_policy, reason, tuple(found), target, derived)
 
 
 def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
@@ -216,9 +278,13 @@ def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
             f"{workload.prompt_tokens}+{workload.output_tokens}-token requests")
     if best.max_rate == 0:
         text += "; no layout meets these SLOs even unloaded: the closest"
-    elif chosen is not best:
+    elif chosen is not best and chosen.shape is Shape.AGG:
         text += (f"; within {1 - TIE_SHARE:.0%} of {best.label}: the colocated layout, "
                  f"fewer moving parts")
+    elif chosen is not best:
+        text += (f"; within {1 - TIE_SHARE:.0%} of {best.label}: {chosen.shape.value}, "
+                 f"whose router keeps a prompt remote unless a local prefill is cheaper "
+                 f"and within the TPOT target")
     if derived is not None:
         text += (f"; no SLO given: TTFT {DEFAULT_TTFT_FACTOR:g}x the unloaded prefill, TPOT "
                  f"{DEFAULT_TPOT_FACTOR:g}x the unloaded decode step of a {derived}-thread "

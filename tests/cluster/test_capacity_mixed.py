@@ -1,0 +1,127 @@
+"""capacity.fit_mixed: P prefill + D decode workers under the router's conditional
+disaggregation, the decode workers prefilling the share f of prompts that fits their TPOT
+budget and costs less locally. Synthetic curves; the equations are in its docstring."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from splitserve.cluster.planner.capacity import (Curves, Demand, fit_agg, fit_disagg,
+                                                 fit_mixed, local_share, mean_wait)
+from splitserve.cluster.planner.layout import Shape, WorkloadHint, max_rate
+from splitserve.cluster.planner.model import PlannerConfig
+from splitserve.cluster.router.config import RouterConfig
+from splitserve.cluster.router.cost_model import Quadratic
+
+# One single-thread worker: ~0.3 s for 384 tokens, a 20 ms decode step at batch 1.
+CURVES = Curves(Quadratic(0.02, 0.0006, 1e-7), Quadratic(0.018, 0.002, 0.0), 64)
+CHEAP = Curves(Quadratic(0.002, 0.00005, 0.0), Quadratic(0.018, 0.002, 0.0), 64)
+WINDOW = RouterConfig().tpot_window_tokens
+
+
+def _config(ttft_s: float, tpot_s: float) -> PlannerConfig:
+    return PlannerConfig(slo_ttft_s=ttft_s, slo_tpot_s=tpot_s, max_workers=4)
+
+
+def _demand(rate: float, prompt: int, output: int, running: int = 0) -> Demand:
+    return Demand(rate, float(prompt), float(output), backlog=0, running=running,
+                  interval_s=10.0)
+
+
+def test_cheap_prefill_goes_all_local_with_the_colocated_tpot() -> None:
+    """A 128-token prompt costs the decode worker 8 ms: at a light load every prompt is
+    prefilled locally, and the decode worker's TPOT is a colocated worker's."""
+    config = _config(1.0, 0.05)
+    demand = _demand(0.5, 128, 64)
+    assert local_share(demand, CHEAP, 1, 1, config) == 1.0
+    mixed = fit_mixed(demand, CHEAP, 1, 1, config)
+    agg = fit_agg(demand, CHEAP, 1, config)
+    assert mixed.tpot_s == pytest.approx(agg.tpot_s)
+    assert mixed.tpot_s > fit_disagg(demand, CHEAP, 1, 1, config).tpot_s  # it prefills
+    assert mixed.ttft_s == pytest.approx(agg.ttft_s)  # and nothing waits on the P worker
+
+
+def test_mixed_beats_disagg_where_the_prefill_pool_is_the_bottleneck() -> None:
+    """Short outputs, long-ish prompts, a TPOT target with room: the decode worker's spare
+    time prefills what the prefill worker cannot."""
+    config = _config(3.0, 0.04)
+    hint = WorkloadHint(256, 8)
+    mixed = max_rate(Shape.MIXED, CURVES, 1, 1, hint, config)
+    disagg = max_rate(Shape.DISAGG, CURVES, 1, 1, hint, config)
+    assert mixed > 1.15 * disagg
+    at = _demand(mixed, 256, 8)
+    assert 0 < local_share(at, CURVES, 1, 1, config) < 1  # long queues spill both ways
+
+
+@pytest.mark.parametrize("prompt", [128, 512, 1536])
+def test_no_tpot_slack_is_disagg_exactly(prompt: int) -> None:
+    """The router's rule: step + (recent + S) / W <= TPOT target. With the target at the
+    step plus one prompt's stall there is no room for any local prefill."""
+    demand = _demand(0.2, prompt, 64)
+    step = CURVES.step_s(1)  # 0.2 req/s * 64 tokens * ~0.05 s: one sequence per worker
+    edge = step + CURVES.prefill_s(prompt) / WINDOW
+    for tpot in (step, edge * (1 - 1e-9)):
+        config = _config(5.0, tpot)
+        assert local_share(demand, CURVES, 1, 1, config) == 0.0
+        assert fit_mixed(demand, CURVES, 1, 1, config) == fit_disagg(demand, CURVES, 1, 1,
+                                                                     config)
+    # Just past the edge some local prefill fits, and the TPOT stays within the target.
+    config = _config(5.0, edge * 1.05)
+    assert local_share(demand, CURVES, 1, 1, config) > 0
+    assert fit_mixed(demand, CURVES, 1, 1, config).tpot_s <= edge * 1.05
+
+
+def test_a_busy_decode_worker_keeps_prompts_remote_until_the_prefill_pool_queues() -> None:
+    """The cost rule: a local prefill stalls n running sequences (n S / W); remote costs
+    the transfer and the prefill pool's wait. With 48 sequences running, a light load
+    stays remote; near the prefill worker's capacity its queue makes local cheaper."""
+    config = _config(10.0, 0.5)
+    service = CURVES.prefill_s(512)
+    light = _demand(0.1, 512, 16, running=48)
+    assert local_share(light, CURVES, 1, 1, config) == 0.0
+    heavy = _demand(0.95 / service, 512, 16, running=48)
+    share = local_share(heavy, CURVES, 1, 1, config)
+    assert 0 < share < 1
+    # At that share the local side's wait and stall meet the remote wait and transfer.
+    stall = 48 * service / WINDOW
+    local = mean_wait(share * heavy.rate, service + CURVES.step_s(48), 1, config)
+    remote = mean_wait((1 - share) * heavy.rate, service, 1, config)
+    assert local + stall == pytest.approx(remote + 0.002 + 512 * 23040 / 2e9, rel=1e-3)
+
+
+CASES = list(itertools.product([128, 512, 1536], [16, 128], [(1.0, 0.03), (4.0, 0.05),
+                                                          (4.0, 0.1), (2.0, 0.2)],
+                               [(1, 1), (1, 2), (2, 1)]))
+
+
+@pytest.mark.parametrize("prompt, output, slo, counts", CASES)
+def test_mixed_serves_at_least_what_disagg_does(prompt: int, output: int,
+                                                slo: tuple[float, float],
+                                                counts: tuple[int, int]) -> None:
+    config = _config(*slo)
+    hint = WorkloadHint(prompt, output)
+    disagg = max_rate(Shape.DISAGG, CURVES, *counts, hint, config)
+    assert max_rate(Shape.MIXED, CURVES, *counts, hint, config) >= disagg * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("prompt, output, slo, counts", CASES[::3])
+def test_meeting_the_slos_is_monotone_in_the_rate(prompt: int, output: int,
+                                                  slo: tuple[float, float],
+                                                  counts: tuple[int, int]) -> None:
+    """max_rate bisects: a rate that meets the targets must have every lower rate meet
+    them too; and the prefill pool never gets less work as the rate grows."""
+    config = _config(*slo)
+    met, remote_before = True, 0.0
+    for i in range(1, 300):
+        demand = _demand(i * 0.02, prompt, output)
+        fit = fit_mixed(demand, CURVES, *counts, config)
+        meets = fit.ttft_s <= slo[0] and fit.tpot_s <= slo[1]
+        assert met or not meets, f"meets at {demand.rate} req/s but not below"
+        met = meets
+        remote = (1 - local_share(demand, CURVES, *counts, config)) * demand.rate
+        assert remote >= remote_before - 1e-9
+        remote_before = remote
+        if not math.isinf(fit.tpot_s) and local_share(demand, CURVES, *counts, config) > 0:
+            assert fit.tpot_s <= slo[1]
