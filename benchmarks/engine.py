@@ -168,8 +168,9 @@ def run_hf(model: nn.Module, vocab: int, st: Settings, b32: bool, guard: Guard, 
 
 def _kernels(engine: LLMEngine) -> str:
     if engine.batch_invariant:
-        return f"exact kernels, {kernels.isa_name()}"
-    return "oneDNN + SDPA kernels" if engine.config.quantization is None else "int8 kernels"
+        weights = ", int8 weights" if engine.config.quantization == "int8" else ""
+        return f"exact kernels{weights}, {kernels.isa_name()}"
+    return "oneDNN + SDPA kernels"
 
 
 def _invariance_cost(results: dict[str, dict[str, Figure]], keys: list[str]) -> list[str] | None:

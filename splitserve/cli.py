@@ -121,7 +121,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (SLO attainment metric)")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (local prefills must respect it; SLO metric)")
     p.add_argument("--dtype", help="auto (bfloat16) | float32")
-    p.add_argument("--quantization", help="none | int8")
+    p.add_argument("--quantization", help="none | int8 (weight-only, exact kernels: CPU bf16)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="exact kernels: outputs independent of batching (default: on for "
                    "bf16 on CPU); --no-batch-invariant runs oneDNN's faster, batch-dependent "

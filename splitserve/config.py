@@ -45,11 +45,12 @@ class EngineConfig:
     device: str = "auto"
     # torch intra-op threads on CPU; None keeps torch's default.
     num_threads: int | None = None
-    # None = weights in `dtype`; "int8" = weight-only int8 (faster batch-1 decode on CPU).
+    # None = weights in `dtype`; "int8" = weight-only int8 on the exact kernels (half the
+    # bytes per decode step; batch-invariant; needs bf16 on an x86 CPU with AVX2).
     quantization: str | None = None
     # Batch-invariant ("exact") kernels: a token's KV, hidden states and logits are the same
     # bits in any batch, chunk, worker and thread count. None = on wherever they exist
-    # (bfloat16 on an x86 CPU with AVX2, no quantization); False = oneDNN/SDPA fast path.
+    # (bfloat16 on an x86 CPU with AVX2); False = oneDNN/SDPA fast path (no quantization).
     batch_invariant: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -30,23 +30,29 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def resolve_batch_invariant(config: EngineConfig, device: torch.device,
                              dtype: torch.dtype, spec: ModelSpec) -> bool:
-    """None: exact kernels wherever they exist; True where they do not is an error."""
+    """None: exact kernels wherever they exist; True where they do not is an error.
+    Quantized weights run only on the exact kernels: they need them, whatever the flag."""
     head_dim = spec.head_dim
-    available = config.quantization is None and is_supported(
-        device, dtype, head_dim, spec.hidden_size, spec.intermediate_size)
-    if config.batch_invariant and not available:
-        raise ValueError(f"batch_invariant=True needs bfloat16 weights without quantization on "
-                         f"an x86 CPU with AVX2 and head_dim a multiple of 16 up to 128 (got "
-                         f"{dtype}, quantization={config.quantization}, {device}, head_dim="
-                         f"{head_dim}); drop the flag for the fast path")
+    available = is_supported(device, dtype, head_dim, spec.hidden_size, spec.intermediate_size)
+    needed = config.batch_invariant or config.quantization is not None
+    if needed and not available:
+        asked = (f"quantization={config.quantization}" if config.quantization is not None
+                 else "batch_invariant=True")
+        raise ValueError(f"{asked} needs bfloat16 on an x86 CPU with AVX2 and head_dim a "
+                         f"multiple of 16 up to 128 (got {dtype}, {device}, head_dim="
+                         f"{head_dim}); drop it for the fast path")
+    if config.quantization is not None and config.batch_invariant is False:
+        raise ValueError(f"quantization={config.quantization} runs on the exact kernels, "
+                         f"which are batch-invariant: drop batch_invariant=False")
     if not available or config.batch_invariant is False:
         return False
     try:
         load_kernels()
     except Exception as exc:  # no compiler, no headers: a fresh machine without build tools
-        if config.batch_invariant:
-            raise ValueError(f"batch_invariant=True but the exact kernels failed to build: "
-                             f"{exc}; install g++ (and ninja), or drop the flag") from exc
+        if needed:
+            raise ValueError(f"batch_invariant=True or quantization, but the exact kernels "
+                             f"failed to build: {exc}; install g++ (and ninja), or drop "
+                             f"the flag") from exc
         logger.warning("exact kernels failed to build (%s); running the fast path: outputs "
                        "will depend on batching", exc)
         return False

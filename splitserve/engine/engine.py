@@ -27,7 +27,7 @@ from splitserve.model.kernels import EXACT_KERNELS, isa_name, use_exact_kernels_
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
-from splitserve.model.quant import QUANTIZATIONS, quantize_int8_
+from splitserve.model.quant import QUANTIZATIONS
 from splitserve.model.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -65,16 +65,15 @@ class LLMEngine(KVConnector):
         model.load_weights(ckpt.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
-        self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype,
-                                                        self.spec)
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {config.quantization!r} is not supported; "
                                  f"use one of {QUANTIZATIONS} or none")
-            quantize_int8_(self.model)
             weights_digest += f"+{config.quantization}"
-        elif self.batch_invariant:
-            use_exact_kernels_(self.model)
+        self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype,
+                                                        self.spec)
+        if self.batch_invariant:  # quantized weights run here only (resolve_... says so)
+            use_exact_kernels_(self.model, config.quantization)
         elif can_pack(self.device, self.dtype):
             pack_linears_(self.model)  # same numbers, faster GEMV: no fingerprint change
 

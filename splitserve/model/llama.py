@@ -77,11 +77,10 @@ class LlamaModel(nn.Module):
         layer: Any  # its projections are ExactLinears now
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            bias = attn.qkv_proj.bias
-            tensors += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed,
-                        bias if bias is not None else torch.empty(0), attn.o_proj.packed,
-                        layer.post_attention_layernorm.weight.detach(),
-                        mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            tensors += [layer.input_layernorm.weight.detach(),
+                        layer.post_attention_layernorm.weight.detach()]
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                tensors += proj.operands()
         s = self.spec
         self.exact_decoder = kernels.exact_decoder(
             tensors, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,

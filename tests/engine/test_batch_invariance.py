@@ -95,8 +95,9 @@ class Engines:
         self.alone = LLM(model, max_num_batched_tokens=512, enable_prefix_caching=False,
                          **kwargs)
         assert all(llm.engine.batch_invariant for llm in [self.alone, *self.batched.values()])
+        tag = f"{model}+{kwargs.get('quantization')}"  # int8 logits are their own
         for llm in [self.alone, *self.batched.values()]:
-            LEDGER.watch(llm, str(model))
+            LEDGER.watch(llm, tag)
         self._memo: dict[Any, tuple[Any, ...]] = {}
 
     def alone_signature(self, prompt: list[int], params: SamplingParams) -> tuple[Any, ...]:
@@ -111,6 +112,12 @@ def tiny_engines(tiny_llama_dir: str) -> Engines:
     # head_dim 16: the kernels' tail paths; random weights: nearly flat logits, so any
     # difference in bits shows in the tokens quickly
     return Engines(tiny_llama_dir, num_blocks=512, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_int8_engines(tiny_llama_dir: str) -> Engines:
+    """Weight-only int8 runs on the same exact kernels: invariant the same way."""
+    return Engines(tiny_llama_dir, num_blocks=512, max_model_len=512, quantization="int8")
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,15 @@ def _check_batch(engines: Engines, batch: list[Any], prefix: list[int], chunk: i
 def test_any_batch_gives_each_request_its_bits_alone_tiny(tiny_engines: Engines, batch: Any,
                                                          prefix: list[int], chunk: int) -> None:
     _check_batch(tiny_engines, batch, prefix, chunk)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
+       chunk=st.sampled_from(CHUNKS))
+def test_any_batch_gives_each_request_its_bits_alone_int8(tiny_int8_engines: Engines,
+                                                         batch: Any, prefix: list[int],
+                                                         chunk: int) -> None:
+    _check_batch(tiny_int8_engines, batch, prefix, chunk)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

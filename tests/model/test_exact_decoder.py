@@ -1,7 +1,7 @@
 """The one-call decoder stack (kernels.exact_decoder, csrc/decoder.cpp) is the kernels
 composed op by op, bit for bit: the "captured" step against its eager composition, in bf16,
 for a whole stack and for the per-layer calls layer-wise KV streaming makes, on both ISA
-paths; its KV writes are the same bits too."""
+paths, with bf16 and with int8 weights; its KV writes are the same bits too."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), to
 BLOCK, NUM_BLOCKS = 16, 24
 
 
-def _model(attention_bias: bool) -> LlamaForCausalLM:
+def _model(attention_bias: bool, quantization: str | None = None) -> LlamaForCausalLM:
     torch.manual_seed(7)
     spec = ModelSpec("qwen2" if attention_bias else "llama", vocab_size=300, hidden_size=128,
                      intermediate_size=320, num_layers=3, num_heads=6, num_kv_heads=2,
@@ -30,7 +30,7 @@ def _model(attention_bias: bool) -> LlamaForCausalLM:
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
     model = model.to(torch.bfloat16)
-    kernels.use_exact_kernels_(model)
+    kernels.use_exact_kernels_(model, quantization)
     return model
 
 
@@ -77,10 +77,13 @@ def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
     return kernels.rms_norm(x, m.norm.weight, spec.rms_norm_eps, residual)[0]
 
 
-@pytest.mark.parametrize("attention_bias", [False, True])
-def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool) -> None:
-    model = _model(attention_bias)
+@pytest.mark.parametrize("attention_bias,quantization",
+                         [(False, None), (True, None), (False, "int8"), (True, "int8")])
+def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool,
+                                                    quantization: str | None) -> None:
+    model = _model(attention_bias, quantization)
     assert model.model.exact_decoder is not None
+    assert (model.model.layers[0].mlp.down_proj.packed.dtype == torch.int8) == bool(quantization)
     ops = kernels.load()
     before = ops.get_isa()
     try:

@@ -1,24 +1,12 @@
-"""Weight-only int8: close to the unquantized model, and never mistaken for it."""
+"""Weight-only int8: close to the unquantized model, never mistaken for it, and only where
+the exact kernels run it (the kernel itself: tests/model/test_exact_int8.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from splitserve import LLM, SamplingParams
-from splitserve.model.quant import Int8Linear
-
-
-def test_int8_linear_matches_dequantized_math() -> None:
-    torch.manual_seed(0)
-    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
-    q = Int8Linear(lin)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    dequant = q.weight_int8.float() * q.scale.float()[:, None]
-    expected = x.float() @ dequant.T + lin.bias.float()
-    assert torch.allclose(q(x).float(), expected, atol=0.05, rtol=0.02)
-    # and the quantization error itself is small relative to the weights
-    assert (dequant - lin.weight.float()).abs().max() <= lin.weight.float().abs().max() / 127
+from splitserve.model import kernels
 
 
 def test_int8_engine_stays_close_and_has_its_own_fingerprint(tiny_llama_dir: str) -> None:
@@ -39,3 +27,14 @@ def test_int8_engine_stays_close_and_has_its_own_fingerprint(tiny_llama_dir: str
 def test_unknown_quantization_is_rejected(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="quantization"):
         LLM(tiny_llama_dir, quantization="int3")
+
+
+@pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
+                    reason="exact kernels need an x86 CPU with AVX2")
+def test_int8_runs_only_on_the_exact_kernels(tiny_llama_dir: str) -> None:
+    int8 = LLM(tiny_llama_dir, dtype="bfloat16", quantization="int8", num_blocks=64)
+    assert int8.engine.batch_invariant
+    head = int8.engine.model.lm_head
+    assert isinstance(head, kernels.ExactLinear) and head.packed.dtype == torch.int8
+    with pytest.raises(ValueError, match="batch_invariant=False"):
+        LLM(tiny_llama_dir, quantization="int8", batch_invariant=False)

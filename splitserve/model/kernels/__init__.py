@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model.quant import QUANTIZATIONS, int8_weights
+
 logger = logging.getLogger(__name__)
 
 ISAS = {"avx2": 1, "avx512_bf16": 2}
@@ -82,13 +84,16 @@ _GROUP = 4  # 16-column blocks per micro-kernel (64 columns)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> ceil(N/16) blocks of 16 output columns, each k pair of a column side by
-    side (the operand layout of a pairwise bf16 dot product), stored by groups of 4 blocks
-    as [KP][4][16][2] so a micro-kernel streams one contiguous region (the last group may
-    have fewer blocks). Shape [ceil(N/16), ceil(K/2), 16, 2]; padding is zero."""
+    """[N, K] bf16 (int8 stays int8) -> ceil(N/16) blocks of 16 output columns, each k pair
+    of a column side by side (the operand layout of a pairwise bf16 dot product), stored by
+    groups of 4 blocks as [KP][4][16][2] so a micro-kernel streams one contiguous region
+    (the last group may have fewer blocks). Shape [ceil(N/16), ceil(K/2), 16, 2]; padding
+    is zero."""
     n, k = weight.shape
     nb, kp = -(-n // _LANES), -(-k // 2)
-    w = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * kp - k, 0, nb * _LANES - n))
+    w = weight.detach()
+    w = F.pad(w if w.dtype == torch.int8 else w.to(torch.bfloat16),
+              (0, 2 * kp - k, 0, nb * _LANES - n))
     blocks = w.view(nb, _LANES, kp, 2).permute(0, 2, 1, 3)  # [nb, kp, 16, 2]
     groups = [blocks[g:g + _GROUP].transpose(0, 1).reshape(-1)  # [kp, blocks, 16, 2]
               for g in range(0, nb, _GROUP)]
@@ -96,32 +101,48 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class ExactLinear(nn.Module):
-    """y = x @ W^T (+ b) where each output element is one fixed fold over k (exact.cpp)."""
+    """y = x @ W^T (+ b) where each output element is one fixed fold over k (exact.cpp);
+    with `quantization="int8"` W is int8 and the fold is multiplied by its row's scale."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, quantization: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
+        self.scale: torch.Tensor | None = None
+        if quantization is None:
+            self.packed = pack_weight(linear.weight)
+        elif quantization == "int8":
+            q, self.scale = int8_weights(linear.weight)
+            self.packed = pack_weight(q)
+        else:
+            raise ValueError(f"quantization {quantization!r}: the exact kernels run "
+                             f"{QUANTIZATIONS} or none")
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self._ops = load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = self._ops.linear(x.reshape(-1, self.in_features).contiguous(), self.packed,
-                             self.out_features, self.bias)
+                             self.out_features, self.bias, self.scale)
         return y if x.dim() == 2 else y.reshape(*shape[:-1], self.out_features)
 
+    def operands(self) -> list[torch.Tensor]:
+        """(packed weight, scale, bias) for the one-call decoder, absent ones empty."""
+        empty = torch.empty(0)
+        return [self.packed, empty if self.scale is None else self.scale,
+                empty if self.bias is None else self.bias]
 
-def use_exact_kernels_(model: nn.Module) -> nn.Module:
-    """Replaces every nn.Linear (projections and LM head) by an ExactLinear, in place (a
-    tied LM head gets its own packed copy; the embedding keeps the plain weight), then
-    switches every module that has an exact path to it: `uses_exact_kernels = True`, and
-    `use_exact_kernels()` called where a module defines it (it may build on the packed
-    projections: the decoder stack's one-call ExactDecoder)."""
+
+def use_exact_kernels_(model: nn.Module, quantization: str | None = None) -> nn.Module:
+    """Replaces every nn.Linear (projections and LM head) by an ExactLinear (int8 weights
+    with `quantization="int8"`), in place (a tied LM head gets its own packed copy; the
+    embedding keeps the plain weight), then switches every module that has an exact path
+    to it: `uses_exact_kernels = True`, and `use_exact_kernels()` called where a module
+    defines it (it may build on the packed projections: the decoder stack's one-call
+    ExactDecoder)."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, ExactLinear(child))
+                setattr(module, child_name, ExactLinear(child, quantization))
     for module in model.modules():
         if hasattr(module, "uses_exact_kernels"):
             setattr(module, "uses_exact_kernels", True)
@@ -134,8 +155,8 @@ def use_exact_kernels_(model: nn.Module) -> nn.Module:
 def exact_decoder(tensors: list[torch.Tensor], hidden: int, num_heads: int, num_kv_heads: int,
                   head_dim: int, intermediate: int, eps: float) -> object:
     """A stack of Llama decoder layers run by one C++ call (csrc/decoder.cpp): `tensors` are
-    7 per layer (input norm weight, packed QKV, QKV fp32 bias or an empty tensor, packed O,
-    post-attention norm weight, packed gate/up, packed down). Its
+    14 per layer: the input and post-attention norm weights, then ExactLinear.operands() of
+    QKV, O, gate/up and down (packed weight, int8 scales, bias; absent ones empty). Its
     `forward(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
     context_lens, begin, end)` runs layers [begin, end) and returns (x, residual)."""
     return load().ExactDecoder([t.contiguous() for t in tensors], hidden, num_heads,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -210,7 +211,6 @@ AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, Scratch& sc) {
 
 }  // namespace
 
-int64_t get_isa();
 
 // q [T, H, D] bf16 (last dim contiguous); kv_layer [2, NBLK, BS, HKV, D] bf16 contiguous;
 // block_tables [S, MB] int32; token_seq [T] int32 (row of block_tables); context_lens [T]

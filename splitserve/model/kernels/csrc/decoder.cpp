@@ -10,42 +10,49 @@
 #include <tuple>
 #include <vector>
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
-                  const c10::optional<at::Tensor>& bias);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
-                           const at::Tensor& block_tables, const at::Tensor& token_seq,
-                           const at::Tensor& context_lens, double scale);
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
-                                            double eps, const c10::optional<at::Tensor>& residual);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                         at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
+#include "ops.h"
 
 namespace {
 
+constexpr size_t kPerLayer = 14;  // 2 norm weights + 4 projections x (weight, scale, bias)
+
+// A packed projection (bf16, or int8 with per-column scales) and its bias, if any.
+struct Proj {
+  at::Tensor weight;
+  c10::optional<at::Tensor> scale, bias;
+
+  static c10::optional<at::Tensor> present(const at::Tensor& t) {
+    return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+  }
+  explicit Proj(const at::Tensor* t) : weight(t[0]), scale(present(t[1])), bias(present(t[2])) {}
+
+  at::Tensor operator()(const at::Tensor& x, int64_t N) const {
+    return linear(x, weight, N, bias, scale);
+  }
+};
+
 struct Layer {
-  at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // packed projections
-  c10::optional<at::Tensor> qkv_bias;
+  at::Tensor input_norm, post_norm;
+  Proj qkv, o, gate_up, down;
 };
 
 }  // namespace
 
 class ExactDecoder {
  public:
-  // tensors: per layer, in order: input norm weight, packed QKV, QKV bias (an empty tensor
-  // when the model has none), packed O, post-attention norm weight, packed gate/up, packed
-  // down. scale: the attention's softmax scale (head_dim ** -0.5, from Python's float).
+  // tensors: per layer, in order: input norm weight, post-attention norm weight, then for
+  // QKV, O, gate/up and down: the packed weight, its fp32 scales (int8 weights) and its fp32
+  // bias, each an empty tensor when absent. scale: the attention's softmax scale
+  // (head_dim ** -0.5, from Python's float).
   ExactDecoder(const std::vector<at::Tensor>& tensors, int64_t hidden, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale)
       : hidden_(hidden), heads_(num_heads), qkv_out_((num_heads + 2 * num_kv_heads) * head_dim),
         intermediate_(intermediate), eps_(eps), scale_(scale) {
-    TORCH_CHECK(tensors.size() % 7 == 0, "ExactDecoder: 7 tensors per layer");
-    for (size_t i = 0; i < tensors.size(); i += 7) {
-      Layer l{tensors[i], tensors[i + 1], tensors[i + 3], tensors[i + 4], tensors[i + 5],
-              tensors[i + 6], c10::nullopt};
-      if (tensors[i + 2].numel()) l.qkv_bias = tensors[i + 2];
-      layers_.push_back(std::move(l));
+    TORCH_CHECK(tensors.size() % kPerLayer == 0, "ExactDecoder: 14 tensors per layer");
+    for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
+      const at::Tensor* t = tensors.data() + i;
+      layers_.push_back(Layer{t[0], t[1], Proj(t + 2), Proj(t + 5), Proj(t + 8), Proj(t + 11)});
     }
   }
 
@@ -68,14 +75,14 @@ class ExactDecoder {
       const Layer& l = layers_[i];
       at::Tensor kv_layer = kv_cache.select(0, i);
       auto [h, res] = rms_norm(x, l.input_norm, eps_, residual);
-      at::Tensor qkv = linear(h, l.qkv, qkv_out_, l.qkv_bias);
+      at::Tensor qkv = l.qkv(h, qkv_out_);
       at::Tensor q = rope_write_kv(qkv, cos, sin, kv_layer, slot_mapping, heads_);
       at::Tensor attn = paged_attention(q, kv_layer, block_tables, token_seq, context_lens,
                                         scale_);
-      at::Tensor o = linear(attn.view({T, -1}), l.o, hidden_, c10::nullopt);
+      at::Tensor o = l.o(attn.view({T, -1}), hidden_);
       auto [h2, res2] = rms_norm(o, l.post_norm, eps_, res);
-      at::Tensor act = silu_mul(linear(h2, l.gate_up, 2 * intermediate_, c10::nullopt));
-      x = linear(act, l.down, hidden_, c10::nullopt);
+      at::Tensor act = silu_mul(l.gate_up(h2, 2 * intermediate_));
+      x = l.down(act, hidden_);
       residual = res2;
     }
     return {x, *residual};

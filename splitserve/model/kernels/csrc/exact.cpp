@@ -25,6 +25,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -61,21 +62,50 @@ inline uint32_t load_pair(const bf16_t* p, bool full) {
   return v;
 }
 
+// ---- weight operands ---------------------------------------------------------------------
+// Weights are bf16, or int8 (weight-only quantization: y = bf16(fold(x, q) * scale[j] (+ bias)),
+// the fold over the int8 values exactly as over bf16 ones: every int8 is a bf16, and each
+// product of a bf16 and an int8 is exact in fp32). One k pair of one 16-column block is 32
+// elements, [16][2] (element 2p low).
+
+// AVX-512: the 32 weights as bf16 pairs, VDPBF16PS's operand.
+AVX512_TARGET inline __m512bh load_w512(const bf16_t* w) {
+  return (__m512bh)_mm512_loadu_si512(w);
+}
+AVX512_TARGET inline __m512bh load_w512(const int8_t* w) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 127 has 7 significant bits
+}
+
+// AVX2: 8 columns of one k pair (16 elements) as fp32, element 2p+1 and element 2p.
+AVX2_TARGET inline void load_w256(const bf16_t* w, __m256& odd, __m256& even) {
+  const __m256i words = _mm256_loadu_si256((const __m256i*)w);
+  odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+AVX2_TARGET inline void load_w256(const int8_t* w, __m256& odd, __m256& even) {
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w));
+  odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16));
+  even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16));
+}
+
 // ---- AVX-512 BF16 -----------------------------------------------------------------------
 // C[r, block c] for MR rows x NB 16-column blocks; w points at block 0 of the group,
-// the group is [KP][NB][16][2] (one contiguous stream: `pair_stride` = NB * 32 bf16 per k pair).
-template <int MR, int NB>
-AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                                int64_t pair_stride, const float* bias, bf16_t* y, int64_t ldy,
-                                int64_t n_valid) {
+// the group is [KP][NB][16][2] (one contiguous stream: `pair_stride` = NB * 32 elements per
+// k pair). scale: int8 weights' per-column scales (nullptr for bf16 weights).
+template <int MR, int NB, typename W>
+AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
+                                int64_t pair_stride, const float* scale, const float* bias,
+                                bf16_t* y, int64_t ldy, int64_t n_valid) {
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
   auto step = [&](int64_t p, bool full) AVX512_TARGET {
     __m512bh b[NB];
-    for (int c = 0; c < NB; ++c)
-      b[c] = (__m512bh)_mm512_loadu_si512(w + p * pair_stride + c * 2 * kLanes);
+    for (int c = 0; c < NB; ++c) b[c] = load_w512(w + p * pair_stride + c * 2 * kLanes);
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * ldx + 2 * p, full));
       for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
@@ -88,26 +118,21 @@ AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const b
     const int64_t left = n_valid - n0;
     if (left <= 0) break;
     const __mmask16 m = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512 sv = scale ? _mm512_maskz_loadu_ps(m, scale + n0) : _mm512_setzero_ps();
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
-      __m512 v = bias ? _mm512_add_ps(acc[r][c], bv) : acc[r][c];
+      __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
+      if (bias) v = _mm512_add_ps(v, bv);
       _mm256_mask_storeu_epi16(y + r * ldy + n0, m, f32x16_to_bf16(v));
     }
   }
 }
 
 // ---- AVX2 + FMA: the same arithmetic, one FMA at a time ---------------------------------
-AVX2_TARGET inline __m256 odd_half(__m256i words) {  // element 2p+1 as fp32
-  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-AVX2_TARGET inline __m256 even_half(__m256i words) {  // element 2p as fp32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
-
-template <int MR, int NB>
-AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                            int64_t pair_stride, const float* bias, bf16_t* y, int64_t ldy,
-                            int64_t n_valid) {
+template <int MR, int NB, typename W>
+AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
+                            int64_t pair_stride, const float* scale, const float* bias,
+                            bf16_t* y, int64_t ldy, int64_t n_valid) {
   __m256 acc[MR][NB][2];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
@@ -115,15 +140,13 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_
   for (int64_t p = 0; p < KP; ++p) {
     __m256 bo[NB][2], be[NB][2];
     for (int c = 0; c < NB; ++c)
-      for (int h = 0; h < 2; ++h) {
-        const __m256i words = _mm256_loadu_si256(
-            (const __m256i*)(w + p * pair_stride + c * 2 * kLanes + h * kLanes));
-        bo[c][h] = odd_half(words);
-        be[c][h] = even_half(words);
-      }
+      for (int h = 0; h < 2; ++h)
+        load_w256(w + p * pair_stride + c * 2 * kLanes + h * kLanes, bo[c][h], be[c][h]);
     for (int r = 0; r < MR; ++r) {
       const __m256i pair = _mm256_set1_epi32((int)load_pair(x + r * ldx + 2 * p, p < full_pairs));
-      const __m256 ao = odd_half(pair), ae = even_half(pair);
+      const __m256 ao = _mm256_castsi256_ps(
+          _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
+      const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
       for (int c = 0; c < NB; ++c)
         for (int h = 0; h < 2; ++h) {
           acc[r][c][h] = _mm256_fmadd_ps(ao, bo[c][h], acc[r][c][h]);
@@ -136,76 +159,62 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const bf16_
       const int64_t n0 = c * kLanes + h * 8;
       const int64_t left = n_valid - n0;
       if (left <= 0) break;
+      const int64_t n = left < 8 ? left : 8;
       alignas(32) float bias8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (bias) std::memcpy(bias8, bias + n0, sizeof(float) * (left < 8 ? left : 8));
-      const __m256 bv = _mm256_load_ps(bias8);
+      alignas(32) float scale8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (bias) std::memcpy(bias8, bias + n0, sizeof(float) * n);
+      if (scale) std::memcpy(scale8, scale + n0, sizeof(float) * n);
+      const __m256 bv = _mm256_load_ps(bias8), sv = _mm256_load_ps(scale8);
       for (int r = 0; r < MR; ++r) {
-        const __m256 v = bias ? _mm256_add_ps(acc[r][c][h], bv) : acc[r][c][h];
+        __m256 v = scale ? _mm256_mul_ps(acc[r][c][h], sv) : acc[r][c][h];
+        if (bias) v = _mm256_add_ps(v, bv);
         alignas(16) bf16_t out[8];
         _mm_store_si128((__m128i*)out, f32x8_to_bf16(v));
-        std::memcpy(y + r * ldy + n0, out, sizeof(bf16_t) * (left < 8 ? left : 8));
+        std::memcpy(y + r * ldy + n0, out, sizeof(bf16_t) * n);
       }
     }
 }
 
 // ---- dispatch over (rows, blocks) --------------------------------------------------------
-using MicroFn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, const float*,
-                         bf16_t*, int64_t, int64_t);
+template <typename W>
+using MicroFn = void (*)(const bf16_t*, int64_t, int64_t, const W*, int64_t, const float*,
+                         const float*, bf16_t*, int64_t, int64_t);
 
-template <template <int, int> class Pick>
+template <typename W>
 struct Table {
-  MicroFn fn[kMaxRows][kMaxBlocks];
+  MicroFn<W> fn[kMaxRows][kMaxBlocks];
 };
 
-template <int MR, int NB> struct PickAvx512 { static constexpr MicroFn f = micro_avx512<MR, NB>; };
-template <int MR, int NB> struct PickAvx2 { static constexpr MicroFn f = micro_avx2<MR, NB>; };
+template <typename W> struct Avx512 {
+  template <int MR, int NB> static constexpr MicroFn<W> f = micro_avx512<MR, NB, W>;
+};
+template <typename W> struct Avx2 {
+  template <int MR, int NB> static constexpr MicroFn<W> f = micro_avx2<MR, NB, W>;
+};
 
-template <template <int, int> class P>
-constexpr Table<P> make_table() {
-  return {{{P<1, 1>::f, P<1, 2>::f, P<1, 3>::f, P<1, 4>::f},
-           {P<2, 1>::f, P<2, 2>::f, P<2, 3>::f, P<2, 4>::f},
-           {P<3, 1>::f, P<3, 2>::f, P<3, 3>::f, P<3, 4>::f},
-           {P<4, 1>::f, P<4, 2>::f, P<4, 3>::f, P<4, 4>::f},
-           {P<5, 1>::f, P<5, 2>::f, P<5, 3>::f, P<5, 4>::f},
-           {P<6, 1>::f, P<6, 2>::f, P<6, 3>::f, P<6, 4>::f}}};
+template <typename W, typename P>
+constexpr Table<W> make_table() {
+  return {{{P::template f<1, 1>, P::template f<1, 2>, P::template f<1, 3>, P::template f<1, 4>},
+           {P::template f<2, 1>, P::template f<2, 2>, P::template f<2, 3>, P::template f<2, 4>},
+           {P::template f<3, 1>, P::template f<3, 2>, P::template f<3, 3>, P::template f<3, 4>},
+           {P::template f<4, 1>, P::template f<4, 2>, P::template f<4, 3>, P::template f<4, 4>},
+           {P::template f<5, 1>, P::template f<5, 2>, P::template f<5, 3>, P::template f<5, 4>},
+           {P::template f<6, 1>, P::template f<6, 2>, P::template f<6, 3>, P::template f<6, 4>}}};
 }
 
-constexpr auto kAvx512Table = make_table<PickAvx512>();
-constexpr auto kAvx2Table = make_table<PickAvx2>();
-
-void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
-              name, " must be a contiguous CPU bfloat16 tensor");
+template <typename W>
+const Table<W>& table_for(int isa) {
+  static constexpr Table<W> avx512 = make_table<W, Avx512<W>>();
+  static constexpr Table<W> avx2 = make_table<W, Avx2<W>>();
+  return isa == kAvx512Bf16 ? avx512 : avx2;
 }
 
-}  // namespace
-
-// x [M, K] bf16; w_packed [NBLK, KP, 16, 2] bf16 (pack_weight in kernels/__init__.py);
-// bias [N] fp32 or empty. Returns y [M, N] bf16.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
-                  const c10::optional<at::Tensor>& bias) {
-  check_bf16(x, "x");
-  check_bf16(w_packed, "w_packed");
-  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && w_packed.size(2) == kLanes &&
-              w_packed.size(3) == 2, "linear: bad shapes");
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t nblk = w_packed.size(0), KP = w_packed.size(1);
-  TORCH_CHECK(KP == (K + 1) / 2 && nblk * kLanes >= N && (nblk - 1) * kLanes < N,
-              "linear: packed weight does not match x or N");
-  const float* b = nullptr;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                bias->numel() == N, "bias must be contiguous fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const int isa = active_isa();
-  TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
-  const MicroFn(*table)[kMaxBlocks] = isa == kAvx512Bf16 ? kAvx512Table.fn : kAvx2Table.fn;
-  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const bf16_t*>(w_packed.data_ptr());
-  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+// y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads over
+// (4-block column group, 60-row chunk) tasks: never a reduction.
+template <typename W>
+void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
+                int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa) {
+  const Table<W>& table = table_for<W>(isa);
   const int64_t w_block = KP * 2 * kLanes;  // one 16-column block; groups are 4 blocks
   const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
   constexpr int64_t kRowChunk = 60;  // rows per task: the group's weights stay in L2
@@ -220,11 +229,58 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
       const int64_t r_end = std::min(M, (rc + 1) * kRowChunk);
       for (int64_t r = rc * kRowChunk; r < r_end; r += kMaxRows) {
         const int mr = (int)std::min<int64_t>(kMaxRows, r_end - r);
-        table[mr - 1][nb - 1](xp + r * K, K, K, wp + blk0 * w_block, nb * 2 * kLanes,
-                              b ? b + n0 : nullptr, yp + r * N + n0, N, n_valid);
+        table.fn[mr - 1][nb - 1](xp + r * K, K, K, wp + blk0 * w_block, nb * 2 * kLanes,
+                                 scale ? scale + n0 : nullptr, b ? b + n0 : nullptr,
+                                 yp + r * N + n0, N, n_valid);
       }
     }
   });
+}
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
+              name, " must be a contiguous CPU bfloat16 tensor");
+}
+
+const float* fp32_vector(const c10::optional<at::Tensor>& t, int64_t N, const char* name) {
+  if (!t || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N,
+              name, " must be contiguous fp32 [N]");
+  return t->data_ptr<float>();
+}
+
+}  // namespace
+
+// x [M, K] bf16; w_packed [NBLK, KP, 16, 2] bf16, or int8 with its per-column fp32 `scale`
+// [N] (pack_weight in kernels/__init__.py); bias [N] fp32 or empty. Returns y [M, N] bf16.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
+                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale) {
+  check_bf16(x, "x");
+  const bool int8 = w_packed.scalar_type() == at::kChar;
+  if (!int8) check_bf16(w_packed, "w_packed");
+  TORCH_CHECK(w_packed.device().is_cpu() && w_packed.is_contiguous(),
+              "w_packed must be a contiguous CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && w_packed.size(2) == kLanes &&
+              w_packed.size(3) == 2, "linear: bad shapes");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t nblk = w_packed.size(0), KP = w_packed.size(1);
+  TORCH_CHECK(KP == (K + 1) / 2 && nblk * kLanes >= N && (nblk - 1) * kLanes < N,
+              "linear: packed weight does not match x or N");
+  const float* b = fp32_vector(bias, N, "bias");
+  const float* s = fp32_vector(scale, N, "scale");
+  TORCH_CHECK(int8 == (s != nullptr), "int8 weights need a scale; bf16 weights take none");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int isa = active_isa();
+  TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
+  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  if (int8) {
+    run_linear(xp, w_packed.data_ptr<int8_t>(), s, b, yp, M, K, N, nblk, KP, isa);
+  } else {
+    run_linear(xp, reinterpret_cast<const bf16_t*>(w_packed.data_ptr()), s, b, yp, M, K, N,
+               nblk, KP, isa);
+  }
   return y;
 }
 
@@ -238,21 +294,12 @@ void set_isa(int64_t isa) {
 
 int64_t get_isa() { return active_isa(); }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
-                           const at::Tensor& block_tables, const at::Tensor& token_seq,
-                           const at::Tensor& context_lens, double scale);
-
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
-                                            double eps, const c10::optional<at::Tensor>& residual);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                         at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
-
-void register_decoder(pybind11::module& m);  // decoder.cpp
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   register_decoder(m);
-  m.def("linear", &linear, "batch-invariant bf16 linear over packed weights");
+  m.def("linear", &linear, "batch-invariant linear over packed bf16 or int8 weights",
+        py::arg("x"), py::arg("w_packed"), py::arg("N"), py::arg("bias") = py::none(),
+        py::arg("scale") = py::none());
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
   m.def("rms_norm", &rms_norm, "(y, h): h = x + residual, y = RMSNorm(h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -96,7 +97,6 @@ void check_rows(const at::Tensor& t, const char* name, int64_t multiple) {
 
 }  // namespace
 
-int64_t get_isa();
 
 // x [M, H] bf16; weight [H] bf16; residual [M, H] bf16 or none. Returns (y, h): h is
 // x + residual (x itself when there is none), y its norm.

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -51,7 +52,6 @@ AVX512_TARGET void rope_head_avx512(const bf16_t* x, const bf16_t* cos, const bf
 
 }  // namespace
 
-int64_t get_isa();
 
 // qkv [T, (H + 2 HKV) * D] bf16 (q heads, k heads, v heads); cos, signed_sin [T, D] bf16;
 // kv_layer [2, NBLK, BS, HKV, D]; slot_mapping [T] int64 (flat cache slot of each token).
