@@ -178,6 +178,10 @@ def model_counts(engine: LLMEngine) -> dict[str, float]:
     norms = (2 * s.num_layers + 1) * s.hidden_size
     # The LM head is read once per step; an untied embedding only one row per token.
     weight_bytes = (linear + head + norms) * engine.dtype.itemsize
+    if engine.config.quantization == "int8":  # one byte a weight, an fp32 scale a row
+        rows = s.num_layers * (q + 2 * kv + s.hidden_size + 2 * s.intermediate_size
+                               + s.hidden_size) + s.vocab_size
+        weight_bytes = linear + head + 4 * rows + norms * engine.dtype.itemsize
     return {"linear": float(linear), "head": float(head), "weight_bytes": float(weight_bytes),
             "kv_bytes_per_token": float(2 * s.num_layers * s.num_kv_heads * s.head_dim
                                         * engine.dtype.itemsize),
