@@ -181,6 +181,25 @@ def process_cpu_seconds(pids: Sequence[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it (from /proc: children of each thread)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue  # gone
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    return found
+
+
 def other_cpu_load(seconds: float = 1.0) -> float:
     """Cores used by other processes while we sleep for `seconds`."""
     mon = CpuMonitor().start()

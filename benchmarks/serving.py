@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
-                          machine_description, markdown_table, median, write_section)
+                               descendants, machine_description, markdown_table, median,
+                               write_section)
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
 
@@ -118,7 +120,19 @@ class Served:
         assert first is not None
         return Timing(first - t0, (end - first) / (OUTPUT_TOKENS - 1))
 
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) the frontend and its workers: an idle server still wakes
+        for heartbeats and load reports (~4% of a core for disagg), and on 2 cores each
+        wake-up preempts a thread of the measured setup's OpenMP team. Paused for one
+        round's other requests, seconds, far inside the 30 s heartbeat timeout."""
+        for pid in descendants(self.server.proc.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
+        self.pause(False)
         self.server.stop()
 
 
@@ -155,6 +169,9 @@ def main() -> int:
     try:
         for rep in range(-1, reps):  # -1: warm-up round, not recorded
             for name, setup in setups.items():
+                for other in setups.values():  # only the measured server is awake
+                    if isinstance(other, Served):
+                        other.pause(other is not setup)
                 timing = setup.run(rep + 100)
                 if rep >= 0:
                     runs[name].append(timing)
@@ -181,7 +198,9 @@ def main() -> int:
         f"One streaming request at a time: {PROMPT_TOKENS}-token prompt (random ids, no "
         f"prefix hits), {OUTPUT_TOKENS} output tokens, greedy, bf16, medians of {reps} "
         "interleaved rounds after one warm-up round; overheads are medians of the "
-        "per-round differences and ratios. Served = `splitserve serve` + openai client over "
+        "per-round differences and ratios. The servers not being measured are paused "
+        "(SIGSTOP), so their idle wake-ups do not preempt the measured one. "
+        "Served = `splitserve serve` + openai client over "
         "HTTP/SSE; disagg uses `--disagg-policy always` (every request: prefill worker -> "
         "KV transfer over TCP -> decode worker). Overhead = served minus the engine alone "
         "on the same cores.", "",
