@@ -18,22 +18,6 @@ pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), to
                                 reason="exact kernels need an x86 CPU with AVX2")
 
 
-@pytest.fixture
-def ops():
-    ops = kernels.load()
-    before = ops.get_isa()
-    yield ops
-    ops.set_isa(before)
-
-
-def _isas(ops) -> list[int]:
-    before = ops.get_isa()
-    ops.set_isa(0)
-    native = ops.get_isa()
-    ops.set_isa(before)
-    return list(range(1, native + 1))
-
-
 def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """The specified arithmetic in plain torch: every product of a bf16 and an int8 is
@@ -50,8 +34,8 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 @pytest.mark.parametrize("k,n,bias", [(64, 48, False), (37, 45, True), (576, 960, True),
                                       (1536, 200, False)])
-def test_int8_linear_is_the_specified_function_on_every_isa(ops, k: int, n: int,
-                                                           bias: bool) -> None:
+def test_int8_linear_is_the_specified_function_on_every_isa(ops, isas: list[int], k: int,
+                                                           n: int, bias: bool) -> None:
     torch.manual_seed(k + n)
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     exact = kernels.ExactLinear(lin, "int8")
@@ -59,7 +43,7 @@ def test_int8_linear_is_the_specified_function_on_every_isa(ops, k: int, n: int,
     x = torch.randn(13, k, dtype=torch.bfloat16)
     q, scale = int8_weights(lin.weight)
     want = _reference(x, q, scale, exact.bias)
-    for isa in _isas(ops):
+    for isa in isas:
         ops.set_isa(isa)
         got = exact(x)
         assert torch.equal(got, want), isa
@@ -67,11 +51,12 @@ def test_int8_linear_is_the_specified_function_on_every_isa(ops, k: int, n: int,
             assert torch.equal(exact(x[3:3 + rows]), want[3:3 + rows]), (isa, rows)
 
 
-def test_unit_scale_int8_is_the_bf16_kernel_over_the_same_integers(ops) -> None:
+def test_unit_scale_int8_is_the_bf16_kernel_over_the_same_integers(ops,
+                                                                  isas: list[int]) -> None:
     torch.manual_seed(1)
     q = torch.randint(-127, 128, (80, 90), dtype=torch.int8)
     x = torch.randn(5, 90, dtype=torch.bfloat16)
-    for isa in _isas(ops):
+    for isa in isas:
         ops.set_isa(isa)
         as_int8 = ops.linear(x, kernels.pack_weight(q), 80, None, torch.ones(80))
         as_bf16 = ops.linear(x, kernels.pack_weight(q.to(torch.bfloat16)), 80, None, None)

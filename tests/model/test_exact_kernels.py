@@ -20,25 +20,6 @@ pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), to
                                 reason="exact kernels need an x86 CPU with AVX2")
 
 
-def _isas() -> list[int]:
-    """ISA levels this CPU can run (the native one last)."""
-    ops = kernels.load()
-    before = ops.get_isa()
-    ops.set_isa(0)
-    native = ops.get_isa()
-    ops.set_isa(before)
-    return list(range(1, native + 1))
-
-
-@pytest.fixture
-def ops():
-    """The kernel module; the ISA level set by a test is put back afterwards."""
-    ops = kernels.load()
-    before = ops.get_isa()
-    yield ops
-    ops.set_isa(before)
-
-
 def _fold(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The specified arithmetic in plain torch: acc += x[2p+1]*w[2p+1]; acc += x[2p]*w[2p]
     (each product is exact in fp32, so these adds are the FMAs)."""
@@ -52,18 +33,19 @@ def _fold(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k,n", [(64, 48), (37, 45), (576, 960)])
-def test_linear_is_the_specified_fold_on_every_isa(ops, k: int, n: int) -> None:
+def test_linear_is_the_specified_fold_on_every_isa(ops, isas: list[int], k: int,
+                                                   n: int) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     exact = kernels.ExactLinear(lin)
     x = torch.randn(9, k, dtype=torch.bfloat16)
     want = _fold(x, lin.weight.detach())
-    for isa in _isas():
+    for isa in isas:
         ops.set_isa(isa)
         assert torch.equal(exact(x), want), f"isa level {isa}"
 
 
-def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops) -> None:
+def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops, isas: list[int]) -> None:
     torch.manual_seed(1)
     lin = nn.Linear(576, 200, bias=True).to(torch.bfloat16)
     exact = kernels.ExactLinear(lin)
@@ -72,7 +54,7 @@ def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops) -> None:
     try:
         torch.set_num_threads(2)
         want = exact(x)
-        for isa in _isas():
+        for isa in isas:
             ops.set_isa(isa)
             for num_threads in (1, 2):
                 torch.set_num_threads(num_threads)
@@ -102,7 +84,8 @@ def _reference_attention(q, kv, tables, token_seq, ctx, scale):
 # at once (2 from head_dim 80 on), so groups of 3, 5, 7 and 8 heads take every split.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 16), (9, 3, 64), (9, 3, 80),
                                                      (8, 1, 128), (10, 2, 80), (14, 2, 64)])
-def test_attention_is_per_token_and_block_layout_free(ops, heads: int, kv_heads: int,
+def test_attention_is_per_token_and_block_layout_free(ops, isas: list[int], heads: int,
+                                                      kv_heads: int,
                                                       head_dim: int) -> None:
     torch.manual_seed(2)
     num_blocks, block_size = 48, 16
@@ -114,7 +97,7 @@ def test_attention_is_per_token_and_block_layout_free(ops, heads: int, kv_heads:
     q = torch.randn(7, heads + kv_heads, head_dim, dtype=torch.bfloat16)[:, :heads]  # strided
     scale = head_dim ** -0.5
     outs = {}
-    for isa in _isas():
+    for isa in isas:
         ops.set_isa(isa)
         outs[isa] = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
     got = outs[max(outs)]
@@ -139,14 +122,15 @@ def _norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     return w * h.to(torch.bfloat16)
 
 
-def test_norm_and_silu_mul_rows_are_isa_and_batch_free_and_hf_close(ops) -> None:
+def test_norm_and_silu_mul_rows_are_isa_and_batch_free_and_hf_close(
+        ops, isas: list[int]) -> None:
     torch.manual_seed(3)
     x = (torch.randn(40, 576) * 4).to(torch.bfloat16)
     res = torch.randn(40, 576).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(576)).to(torch.bfloat16)
     gate_up = (torch.randn(40, 2 * 1536) * 3).to(torch.bfloat16)
     outs = {}
-    for isa in _isas():
+    for isa in isas:
         ops.set_isa(isa)
         y, h = kernels.rms_norm(x, w, 1e-5, res)
         outs[isa] = (y, h, kernels.silu_mul(gate_up))
@@ -165,7 +149,8 @@ def test_norm_and_silu_mul_rows_are_isa_and_batch_free_and_hf_close(ops) -> None
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_rope_and_kv_write_are_torchs_bf16_ops(ops, head_dim: int) -> None:
+def test_rope_and_kv_write_are_torchs_bf16_ops(ops, isas: list[int],
+                                               head_dim: int) -> None:
     from splitserve.model.layers import RotaryEmbedding, apply_rotary
     torch.manual_seed(4)
     heads, kv_heads, tokens = 9, 3, 21
@@ -177,7 +162,7 @@ def test_rope_and_kv_write_are_torchs_bf16_ops(ops, head_dim: int) -> None:
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
     want = apply_rotary(qk, cos, sin)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    for isa in _isas():
+    for isa in isas:
         ops.set_isa(isa)
         kv = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=torch.bfloat16)
         q = kernels.rope_write_kv(qkv, cos.squeeze(1), sin.squeeze(1), kv, slots, heads)
