@@ -276,6 +276,16 @@ def _arrival_text(t: dict[str, Any]) -> str:
             f"{a['time_scale'] * a['rate']:.3g} req/s).")
 
 
+def _rerun(t: dict[str, Any]) -> str:
+    """The command that measures this table again: its configurations and, when they were
+    given rather than derived, its SLOs."""
+    slo = t["calibration"]["slo"]
+    flags = (f" --slo-ttft-ms {slo['ttft_ms']:g} --slo-tpot-ms {slo['tpot_ms']:g}"
+             if t["calibration"].get("override") else "")
+    configs = ",".join(r["config"] for r in t["rows"])
+    return f"python benchmarks/goodput_study.py --table {t['key']} --configs {configs}{flags}"
+
+
 def render_table(t: dict[str, Any], doc_dir: Path) -> str:
     """One workload's subsection: what was sent, the SLO and where it came from, the table."""
     w, c, slo = t["workload"], t["calibration"], t["calibration"]["slo"]
@@ -291,8 +301,8 @@ def render_table(t: dict[str, Any], doc_dir: Path) -> str:
     plots = Path(os.path.relpath(t["out"], doc_dir))
     return "\n".join([
         f"### {t['title']}{' (--quick: not a result)' if t['quick'] else ''}", "",
-        f"Measured {t['date']} with `{t['command']}` (this table alone: `python "
-        f"benchmarks/goodput_study.py --table {t['key']}`); machine: {t['machine']}.", "",
+        f"Measured {t['date']} with `{t['command']}` (this table alone: `{_rerun(t)}`); "
+        f"machine: {t['machine']}.", "",
         f"Workload: {w['description']}; {t['num_requests']} requests per rate; input tokens "
         f"mean {w['mean_input_len']:.0f} / max {w['max_input_len']}, output mean "
         f"{w['mean_output_len']:.0f}" + (f", {w['num_clamped']} cut to the context"

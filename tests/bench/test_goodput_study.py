@@ -214,3 +214,13 @@ def test_the_default_setup_is_told_the_workload_and_reports_its_choice() -> None
             chosen_layout(url)
     finally:
         server.shutdown()
+
+
+def test_rerun_hint_repeats_the_tables_configs_and_given_slos() -> None:
+    rows = [{"config": "agg"}, {"config": "vllm"}]
+    given = {"key": "a", "rows": rows,
+             "calibration": {"override": True, "slo": {"ttft_ms": 8000.0, "tpot_ms": 100.0}}}
+    assert study._rerun(given) == ("python benchmarks/goodput_study.py --table a --configs "
+                                   "agg,vllm --slo-ttft-ms 8000 --slo-tpot-ms 100")
+    derived = {**given, "calibration": {"slo": {"ttft_ms": 9534, "tpot_ms": 30}}}
+    assert study._rerun(derived).endswith("--table a --configs agg,vllm")  # measured again
