@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from benchmarks import goodput_report as gp_doc  # noqa: E402
 from benchmarks import goodput_setups as setups  # noqa: E402
 from benchmarks import goodput_study as study  # noqa: E402
 from splitserve.bench import (SLO, BenchConfig, BenchReport, RequestRecord,  # noqa: E402
@@ -85,17 +86,17 @@ def row(max_rate: float | None, first_miss: float | None, points: list[list[floa
 def test_rate_and_ratio_texts() -> None:
     agg = row(0.1, 0.14, [[0.1, 0.95], [0.14, 0.5]])
     disagg = row(0.25, 0.35, [[0.18, 1.0], [0.25, 0.9], [0.35, 0.6]])
-    assert study._rate_text(agg) == "0.1 (misses at 0.14)"
-    assert study.ratio_text(disagg, agg) == "2.50x"
-    assert study.ratio_text(agg, agg) == "1"
+    assert gp_doc._rate_text(agg) == "0.1 (misses at 0.14)"
+    assert gp_doc.ratio_text(disagg, agg) == "2.50x"
+    assert gp_doc.ratio_text(agg, agg) == "1"
     none = row(None, 0.18, [[0.18, 0.5]])
-    assert study._rate_text(none) == "< 0.18"
-    assert study.ratio_text(disagg, none) == "> 1.39x"
-    assert study.ratio_text(none, agg) == "< 1.80x"
+    assert gp_doc._rate_text(none) == "< 0.18"
+    assert gp_doc.ratio_text(disagg, none) == "> 1.39x"
+    assert gp_doc.ratio_text(none, agg) == "< 1.80x"
     top = row(0.5, None, [[0.25, 1.0], [0.5, 1.0]])
-    assert study._rate_text(top) == ">= 0.5 (no miss)"
-    assert study.ratio_text(top, agg) == ">= 5.00x"
-    assert study.ratio_text(agg, top) == "<= 0.20x"
+    assert gp_doc._rate_text(top) == ">= 0.5 (no miss)"
+    assert gp_doc.ratio_text(top, agg) == ">= 5.00x"
+    assert gp_doc.ratio_text(agg, top) == "<= 0.20x"
 
 
 def report(rate: float, ttfts: list[float]) -> BenchReport:
@@ -129,12 +130,12 @@ def test_hand_written_parts_survive_and_default(tmp_path: Path) -> None:
     doc.write_text("# Benchmarks\n\n## Goodput study\n\nMeasured x.\n\n"
                    "### Method (hand-written)\n\nM1\n\n### (a) generated\n\n| t |\n\n"
                    "### Reading (hand-written)\n\nR1\nR2\n\n## Other\n\nkeep\n")
-    method, reading = study.hand_written(doc)
+    method, reading = gp_doc.hand_written(doc)
     assert method == "### Method (hand-written)\n\nM1"
     assert reading == "### Reading (hand-written)\n\nR1\nR2"
-    method, reading = study.hand_written(tmp_path / "missing.md")
+    method, reading = gp_doc.hand_written(tmp_path / "missing.md")
     assert method.startswith("### Method (hand-written)")
-    assert reading.startswith(study.READING)
+    assert reading.startswith(gp_doc.READING)
 
 
 def test_default_configs_include_the_vllm_peer() -> None:
@@ -220,7 +221,7 @@ def test_rerun_hint_repeats_the_tables_configs_and_given_slos() -> None:
     rows = [{"config": "agg"}, {"config": "vllm"}]
     given = {"key": "a", "rows": rows,
              "calibration": {"override": True, "slo": {"ttft_ms": 8000.0, "tpot_ms": 100.0}}}
-    assert study._rerun(given) == ("python benchmarks/goodput_study.py --table a --configs "
+    assert gp_doc._rerun(given) == ("python benchmarks/goodput_study.py --table a --configs "
                                    "agg,vllm --slo-ttft-ms 8000 --slo-tpot-ms 100")
     derived = {**given, "calibration": {"slo": {"ttft_ms": 9534, "tpot_ms": 30}}}
-    assert study._rerun(derived).endswith("--table a --configs agg,vllm")  # measured again
+    assert gp_doc._rerun(derived).endswith("--table a --configs agg,vllm")  # measured again

@@ -92,14 +92,18 @@ def erlang_c(servers: int, offered: float) -> float:
     return servers * blocking / (servers - offered * (1 - blocking))
 
 
+def _offered(rate: float, service_s: float) -> float | None:
+    """The offered load (rate * service); None when nothing queues (no arrivals or no
+    work). At or above the number of servers they cannot keep up."""
+    return rate * service_s if rate > 0 and service_s > 0 else None
+
+
 def wait_quantile(rate: float, service_s: float, servers: int, config: PlannerConfig) -> float:
     """Queueing delay not exceeded by a share attainment_target of arrivals; inf when the
     servers cannot keep up."""
-    if rate <= 0 or service_s <= 0:
-        return 0.0
-    offered = rate * service_s
-    if offered >= servers:
-        return INF
+    offered = _offered(rate, service_s)
+    if offered is None or offered >= servers:
+        return 0.0 if offered is None else INF
     tail = 1 - config.attainment_target
     waits = erlang_c(servers, offered)
     if waits <= tail:
@@ -136,11 +140,9 @@ def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerCon
 def mean_wait(rate: float, service_s: float, servers: int, config: PlannerConfig) -> float:
     """Mean queueing delay (M/M/c: C * S / (c - a), Allen-Cunneen scaled); inf when the
     servers cannot keep up."""
-    if rate <= 0 or service_s <= 0:
-        return 0.0
-    offered = rate * service_s
-    if offered >= servers:
-        return INF
+    offered = _offered(rate, service_s)
+    if offered is None or offered >= servers:
+        return 0.0 if offered is None else INF
     mmc = erlang_c(servers, offered) * service_s / (servers - offered)
     return mmc * (config.arrival_cv2 + config.service_cv2) / 2
 
