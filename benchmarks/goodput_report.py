@@ -60,7 +60,9 @@ def _rerun(t: dict[str, Any]) -> str:
     flags = (f" --slo-ttft-ms {slo['ttft_ms']:g} --slo-tpot-ms {slo['tpot_ms']:g}"
              if t["calibration"].get("override") else "")
     configs = ",".join(r["config"] for r in t["rows"])
-    return f"python benchmarks/goodput_study.py --table {t['key']} --configs {configs}{flags}"
+    variant = f" --variant {t['variant']}" if t.get("variant") else ""
+    return (f"python benchmarks/goodput_study.py --table {t.get('table', t['key'])} "
+            f"--configs {configs}{flags}{variant}")
 
 
 def render_table(t: dict[str, Any], doc_dir: Path) -> str:
@@ -108,8 +110,18 @@ def hand_written(doc: Path) -> tuple[str, str]:
             body[reading:].strip() if reading >= 0 else f"{READING}\n\n_Not written yet._")
 
 
+def tables_in(out: Path) -> list[Path]:
+    """Each table's JSON in `out`: per workload the plain table, then its variants
+    (`<key>-<variant>.json`; a configuration's sweeps are `<key>_<config>.json`)."""
+    found = []
+    for key in WORKLOADS:
+        plain = out / f"{key}.json"
+        found += [plain] if plain.exists() else []
+        found += sorted(p for p in out.glob(f"{key}-*.json") if "_" not in p.stem)
+    return found
+
+
 def section_body(doc: Path, out: Path) -> str:
     method, reading = hand_written(doc)
-    tables = [render_table(json.loads((out / f"{k}.json").read_text()), doc.parent)
-              for k in WORKLOADS if (out / f"{k}.json").exists()]
+    tables = [render_table(json.loads(path.read_text()), doc.parent) for path in tables_in(out)]
     return "\n\n".join([method, *tables, reading])

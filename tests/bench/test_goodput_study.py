@@ -225,3 +225,17 @@ def test_rerun_hint_repeats_the_tables_configs_and_given_slos() -> None:
                                    "agg,vllm --slo-ttft-ms 8000 --slo-tpot-ms 100")
     derived = {**given, "calibration": {"slo": {"ttft_ms": 9534, "tpot_ms": 30}}}
     assert gp_doc._rerun(derived).endswith("--table a --configs agg,vllm")  # measured again
+    variant = {**derived, "key": "a-derived", "table": "a", "variant": "derived"}
+    assert gp_doc._rerun(variant).endswith("--table a --configs agg,vllm --variant derived")
+
+
+def test_a_variant_is_kept_beside_its_plain_table(tmp_path: Path) -> None:
+    for name in ("b.json", "a-strict.json", "a.json", "a_agg.json", "a-strict_agg.json",
+                 "a_slo.json", "a-strict_slo.json", "c-x.json"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in gp_doc.tables_in(tmp_path)] == [
+        "a.json", "a-strict.json", "b.json", "c-x.json"]
+    with pytest.raises(SystemExit):
+        study.parse_args(["--variant", "Bad_Name"])
+    args = study.parse_args(["--table", "a", "--variant", "strict-tpot"])
+    assert args.variant == "strict-tpot"
