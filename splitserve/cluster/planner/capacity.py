@@ -122,15 +122,41 @@ def fit_disagg(demand: Demand, curves: Curves, num_prefill: int, num_decode: int
     return Fit(ttft, tpot)
 
 
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest k with P(K <= k) >= q for K ~ Poisson(mean)."""
+    k, term = 0, math.exp(-mean)
+    cdf = term
+    while cdf < q and term > 0:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
+
+
 def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerConfig) -> Fit:
-    """Colocated: each worker's decode steps share it with the prompts it prefills."""
+    """Colocated: each worker's decode steps share it with the prompts it prefills.
+
+    TPOT is a request's, at the attainment quantile, not the mean: every prompt its
+    worker prefills while it decodes stalls it by that prompt's whole prefill (chunks
+    interleave with its steps; they do not get shorter), so with K such prompts its TPOT
+    is D(n) + K S / output. K ~ Poisson(lambda_p / c x its decode time, stretched by
+    the prefill share) plus the prompt in progress when it starts (probability rho);
+    the fluid mean D(n) / (1 - rho) is a floor. With long prompts and short outputs one
+    collision is already a large TPOT, which the mean hides (goodput table (a))."""
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_workers)
     if per_worker > curves.max_num_seqs:
         return Fit(INF, INF)
     service = curves.prefill_s(demand.prompt_tokens)
     step = curves.step_s(per_worker)
     prefill_share = demand.prefill_rate * service / num_workers
-    tpot = step / (1 - prefill_share) if prefill_share < 1 else INF
+    if prefill_share >= 1:
+        return Fit(INF, INF)
+    mean_tpot = step / (1 - prefill_share)
+    outputs = max(demand.output_tokens, 1.0)
+    collisions = poisson_quantile(
+        demand.prefill_rate / num_workers * outputs * mean_tpot + prefill_share,
+        config.attainment_target)
+    tpot = max(mean_tpot, step + collisions * service / outputs)
     # A prompt rides one step with the running batch: its service includes that step.
     with_step = service + step if service > 0 else 0.0
     ttft = wait_quantile(demand.prefill_rate, with_step, num_workers, config) + with_step

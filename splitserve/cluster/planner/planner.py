@@ -29,7 +29,9 @@ The model, per interval k (rates in requests/s, times in seconds):
    N = max(lambda * output * SLO_tpot, running now) (Little's law at the SLO's pace, an
    upper bound); workers = ceil(N / n*); predicted TPOT = D(ceil(N / workers)).
 5. Colocated ("agg"), c workers: n = ceil(N / c), prefill share rho = lambda_p S / c.
-   Prefill chunks lengthen the decode steps: TPOT = D(n) / (1 - rho). A prompt rides a
+   Every prompt a worker prefills while a request decodes there stalls that request by
+   S: TPOT_q = max(D(n) / (1 - rho), D(n) + k_q S / output), k_q the q-quantile of
+   Poisson(lambda_p / c x output x D(n) / (1 - rho) + rho) collisions. A prompt rides a
    step with the running batch: TTFT as in 3 with service S + D(n).
 6. Choice, with headroom h = max(band, noise_z * sigma), sigma the measured relative
    noise of the token rates (prompt and output tokens/s) from one interval to the next:
