@@ -302,7 +302,8 @@ def main() -> int:
         print(f"WARNING: other processes use {busy:.2f} cores: {busy_processes()[:3]}")
     t0 = time.monotonic()
     for w in tables:
-        args.n, args.table_key = sizes[w.key], w.key.split("-")[0]
+        args.n = sizes[w.key]
+        args.table_key = w.key.removesuffix(f"-{args.variant}") if args.variant else w.key
         info = lengths(w, args.quick, args.n)[2]
         print(f"{w.title}: {info.description}; {args.n} requests per rate; input mean "
               f"{info.mean_input_len:.0f} / max {info.max_input_len}, output mean "

@@ -138,6 +138,10 @@ def test_poisson_quantile() -> None:
     assert poisson_quantile(0.1, 0.9) == 0  # P(K = 0) = 0.905
     assert poisson_quantile(0.2, 0.9) == 1
     assert poisson_quantile(30.0, 0.5) in (29, 30)
+    # past exp()'s range (a large cluster's collisions): the normal approximation
+    assert 1040 <= poisson_quantile(1000.0, 0.9) <= 1042
+    assert poisson_quantile(100.0, 0.9) - 1 <= poisson_quantile(100.001, 0.9) <= (
+        poisson_quantile(100.0, 0.9) + 1)  # the two methods meet
 
 
 def test_agg_tpot_is_a_requests_at_the_quantile_not_the_mean() -> None:

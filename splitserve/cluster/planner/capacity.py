@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from statistics import NormalDist
 from typing import NamedTuple
 
 from splitserve.cluster.planner.model import Layout, PlannerConfig
@@ -124,6 +125,8 @@ def fit_disagg(demand: Demand, curves: Curves, num_prefill: int, num_decode: int
 
 def poisson_quantile(mean: float, q: float) -> int:
     """The smallest k with P(K <= k) >= q for K ~ Poisson(mean)."""
+    if mean > 100:  # exp(-mean) underflows past ~745; the normal approximation is close
+        return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
     k, term = 0, math.exp(-mean)
     cdf = term
     while cdf < q and term > 0:
