@@ -130,6 +130,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-num-partial-prefills", type=int,
+                   help="prompts a step may leave unfinished (2): short prompts share the "
+                   "step with a long one instead of waiting for it; 1 = first come first served")
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--kv-failure-policy", choices=["recompute", "retry", "fail"],
                    help="a failed KV transfer: the decode worker recomputes (default), the "

@@ -24,6 +24,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Token budget of one engine step (prefill chunks + decodes).
     max_num_batched_tokens: int = 512
+    # Prompts left unfinished by one step (chunked prefill), at most: more share the budget
+    # so a short prompt is not stuck behind a long one; fewer serve a queue of long prompts
+    # sooner one by one. 1 = first come, first served (short prompts that finish within
+    # the step still join).
+    max_num_partial_prefills: int = 2
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -33,6 +38,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
+        if self.max_num_partial_prefills <= 0:
+            raise ValueError(
+                f"max_num_partial_prefills={self.max_num_partial_prefills} must be positive")
 
 
 @dataclass(frozen=True)
@@ -246,6 +254,7 @@ class ServeConfig:
     max_model_len: int | None = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_num_partial_prefills: int = 2
     kv_cache_memory_bytes: int = 1 << 30
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -307,4 +316,5 @@ class ServeConfig:
                 "batch_invariant": self.batch_invariant, "block_size": self.block_size, "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_num_partial_prefills": self.max_num_partial_prefills,
                 "kv_cache_memory_bytes": self.kv_cache_memory_bytes}

@@ -179,6 +179,7 @@ class WorkerReady:
     max_num_seqs: int
     kv_address: str | None  # where this worker receives KV (decode roles)
     kv_bytes_per_token: int
+    max_num_partial_prefills: int = 1  # prompts one step's budget is shared among
 
 
 @dataclass(slots=True)
@@ -259,7 +260,7 @@ class LoadReport:
     """Periodic (also the heartbeat): queue, memory and the step timings since the last."""
     num_running: int
     num_waiting: int
-    num_waiting_tokens: int
+    num_waiting_tokens: int  # prompt tokens not yet computed: waiting and prefilling
     num_awaiting_kv: int
     kv_blocks_used: int
     kv_blocks_total: int
@@ -268,6 +269,7 @@ class LoadReport:
     num_prompt_tokens: int = 0  # prompt tokens admitted, cumulative
     kv_listener: KVListenerStats | None = None  # workers that receive KV
     tiers: list[TierUsage] = field(default_factory=list)  # the store below its pool
+    num_prefilling: int = 0  # running with their prompt not all computed (chunked prefill)
 
 
 @dataclass(slots=True)

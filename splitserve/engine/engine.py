@@ -44,7 +44,8 @@ class EngineLoad(NamedTuple):
     """A snapshot of the engine's queue and memory, for load reports."""
     num_running: int
     num_waiting: int  # waiting or preempted, to be prefilled here
-    num_waiting_tokens: int  # their prompt tokens not yet computed
+    num_prefilling: int  # running, their prompt not all computed yet (chunked prefill)
+    num_waiting_tokens: int  # prompt tokens of both not yet computed
     num_awaiting_kv: int  # WAITING_FOR_KV
     kv_blocks_used: int
     kv_blocks_total: int
@@ -249,10 +250,12 @@ class LLMEngine(KVConnector):
 
     def load(self) -> EngineLoad:
         sched, pool = self.scheduler, self.kv.pool
+        prefilling = [r for r in sched.running if r.num_computed_tokens < r.num_prefill_tokens]
         return EngineLoad(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_prefilling=len(prefilling),
             num_waiting_tokens=sum(r.num_prefill_tokens - r.num_computed_tokens
-                                   for r in sched.waiting),
+                                   for r in (*sched.waiting, *prefilling)),
             num_awaiting_kv=len(sched.awaiting_kv), kv_blocks_used=pool.num_used_blocks,
             kv_blocks_total=pool.num_blocks, max_num_seqs=self.config.scheduler.max_num_seqs)
 

@@ -19,7 +19,8 @@ class LLM:
     `model`: a HF checkpoint directory, a .gguf file, or None for the default model
     (SmolLM2-135M-Instruct). Keyword arguments are engine knobs (see `splitserve.config`):
     dtype, device, num_threads, block_size, num_blocks, kv_cache_memory_bytes,
-    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len.
+    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_num_partial_prefills,
+    max_model_len.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

@@ -1,15 +1,21 @@
 """Token-budget scheduler (vLLM-v1 style).
 
 Each request's `num_computed_tokens` catches up with `num_tokens`; each step hands out
-at most `max_num_batched_tokens`. Running requests go first (a decode takes one token, a
-long prompt takes what the budget leaves: chunked prefill), then waiting ones in arrival
-order. When blocks run out the newest running request is preempted and will recompute.
-Prefix hits and imported KV just start a request with some tokens already computed.
+at most `max_num_batched_tokens`. Decodes take one token each; the budget they leave is
+split among the prompts being prefilled (running ones mid-prompt, then waiting ones in
+arrival order), max-min fairly (`fair_shares`): a short prompt that arrives while a long
+one is in its chunked prefill runs beside it instead of waiting for all of it (no
+head-of-line blocking). Waiting prompts join while at most `max_num_partial_prefills`
+prompts end the step unfinished, so a queue of long prompts is served a few at a time,
+not all slowly at once. When blocks run out the newest running request is preempted and
+will recompute. Prefix hits and imported KV just start a request with some tokens
+already computed. Chunk boundaries never change results (batch-invariant kernels).
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 from splitserve.config import SchedulerConfig
 from splitserve.engine.batch import RunnerOutput, SampleSpec, ScheduledBatch, ScheduledSeq
@@ -19,6 +25,25 @@ from splitserve.kv_cache import BlockHash, KVCacheManager
 # Brings a request's prefix up from the tiers below the pool (engine/kv_tiers.py):
 # (block hashes, tokens, tenant) -> blocks promoted into the prefix cache.
 Promote = Callable[[Sequence[BlockHash], int, "str | None"], int]
+
+
+def fair_shares(needs: Sequence[int], budget: int) -> list[int]:
+    """Max-min fair split of `budget` tokens among prompts that need `needs` tokens each
+    (water-filling): a prompt needing less than an even share gets all it needs, the others
+    split the rest evenly, the earliest (lowest index) taking the tokens that do not divide."""
+    if sum(needs) <= budget:
+        return list(needs)
+    shares = list(needs)
+    order = sorted(range(len(needs)), key=needs.__getitem__)
+    left = max(budget, 0)
+    for k, i in enumerate(order):
+        even, spare = divmod(left, len(needs) - k)
+        if needs[i] > even:
+            for j, rest in enumerate(sorted(order[k:])):
+                shares[rest] = even + (j < spare)
+            break
+        left -= needs[i]
+    return shares
 
 
 class Scheduler:
@@ -71,10 +96,15 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         self.reserve_import_blocks()
+        shares = self._prefill_shares(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                          shares.get(req.request_id, budget))
+            if num_new <= 0:  # a prompt whose share of this step is nothing
+                i += 1
+                continue
             while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -89,11 +119,14 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            share = shares.get(req.request_id, 0)
+            if share <= 0:  # no room among this step's partial prefills
+                break
             if self.promote is not None:
                 self.promote(req.block_hashes, req.num_tokens, req.tenant)
             hit = self.kv.computed_prefix(req.block_hashes, req.num_tokens)
             num_computed = len(hit) * self.block_size
-            num_new = min(req.num_tokens - num_computed, budget)
+            num_new = min(req.num_tokens - num_computed, budget, share)
             if self.kv.allocate(req.request_id, num_computed + num_new, hit) is None:
                 break
             self.waiting.popleft()
@@ -104,6 +137,34 @@ class Scheduler:
             batch.seqs.append(self._scheduled_seq(req, num_new))
             budget -= num_new
         return batch
+
+    def _prefill_shares(self, budget: int) -> dict[str, int]:
+        """This step's tokens for each prompt in prefill (request id -> tokens; decodes are
+        not in it): running prompts first, then waiting ones in arrival order while the
+        shares leave at most `max_num_partial_prefills` prompts unfinished and give each
+        at least one token. A waiting prompt's need counts its cached prefix as computed
+        (it may find less at admission: it then takes less)."""
+        ids: list[str] = []
+        needs: list[int] = []
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1:
+                ids.append(req.request_id)
+                needs.append(left)
+            else:
+                budget -= max(left, 0)
+        shares = fair_shares(needs, budget)
+        room = self.config.max_num_seqs - len(self.running)
+        for req in islice(self.waiting, max(room, 0)):
+            hit = self.kv.computed_prefix(req.block_hashes, req.num_tokens)
+            trial_needs = [*needs, req.num_tokens - len(hit) * self.block_size]
+            trial = fair_shares(trial_needs, budget)
+            num_partial = sum(share < need for share, need in zip(trial, trial_needs))
+            if 0 in trial or num_partial > self.config.max_num_partial_prefills:
+                break
+            ids.append(req.request_id)
+            needs, shares = trial_needs, trial
+        return dict(zip(ids, shares))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

@@ -83,12 +83,6 @@ def test_negative_intercept_clamps_at_zero() -> None:
     assert model.predict(100) == pytest.approx(0.05)
 
 
-def test_queue_prediction_splits_tokens_evenly() -> None:
-    model = PrefillCostModel(CFG)
-    assert model.predict_queue(0, 0) == 0.0
-    assert model.predict_queue(4, 1000) == pytest.approx(4 * (0.005 + 0.25))
-
-
 def test_decode_step_model() -> None:
     model = DecodeStepModel(CFG)
     assert model.predict(0) == 0.0

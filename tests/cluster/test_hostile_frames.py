@@ -65,8 +65,8 @@ def nested_wrong_types() -> list[bytes]:
         [t[P.Output], "r1", 0, [True], 0, "a", 0, None, False, None, None, 3, 0],
         [t[P.Output], "r1", 0, [2 ** 64 - 1], 0, "a", 0, None, False, None, [1], 3, 0],
         [t[P.KVPlanReady], "r1", ["t1", "r1", None, "tcp://x:1", 0, "3", 5.0]],
-        [t[P.WorkerReady], "both-0", "wizard", 1, FINGERPRINT, 16, 100, 2048, 8, None, 1],
-        [t[P.WorkerReady], "both-0", "both", 1, FINGERPRINT, 16, 100, 2048, 8, [b"x"], 1],
+        [t[P.WorkerReady], "both-0", "wizard", 1, FINGERPRINT, 16, 100, 2048, 8, None, 1, 1],
+        [t[P.WorkerReady], "both-0", "both", 1, FINGERPRINT, 16, 100, 2048, 8, [b"x"], 1, 1],
         [t[P.TransferReport], ["t1", "r1", "tcp", 9]],
         [t[P.RequestFailed], "r1", "exploded", "x", None],
         [t[P.PoolReport], 1, True, None, {"a": 1}, 0],
@@ -144,6 +144,7 @@ def test_forged_and_repeated_registrations_remove_no_one() -> None:
             (as_(b"both-0:2"), ready("both-0", fingerprint="e" * 32)),  # another model
             (as_(b"both-0:3"), ready("both-0", num_blocks=0)),
             (as_(b"both-0:4"), ready("both-0", max_model_len=-5)),
+            (as_(b"both-0:6"), ready("both-0", max_num_partial_prefills=0)),
             (as_(b"both-0:5"), ready("both-0", kv_address=None)),  # decodes without one
             (as_(b"prefill-0:1"), ready("prefill-0", P.Role.PREFILL,
                                         kv_address="tcp://127.0.0.1:1")),

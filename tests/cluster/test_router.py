@@ -6,6 +6,7 @@ Default cost priors throughout: prefill(t) = 5 ms + t / 1500 s, decode step(n) =
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from splitserve.cluster.router.router import (DisaggPolicy, KVLayout, Role, RouteDecision,
@@ -31,8 +32,10 @@ def transfer(t: int) -> float:
 
 
 def load(running: int = 0, waiting: int = 0, waiting_tokens: int = 0, used: int = 0,
-         total: int = 1000, max_num_seqs: int = 64) -> WorkerLoad:
-    return WorkerLoad(running, waiting, waiting_tokens, used, total, max_num_seqs)
+         total: int = 1000, max_num_seqs: int = 64, prefilling: int = 0,
+         partial: int = 1) -> WorkerLoad:
+    return WorkerLoad(running, waiting, waiting_tokens, used, total, max_num_seqs,
+                      prefilling, partial)
 
 
 def prompt(num_tokens: int, seed: int = 0) -> list[int]:
@@ -271,6 +274,42 @@ def test_prefill_worker_chosen_by_its_prefix_hit_and_queue() -> None:
     # A decode worker without room is skipped; the BOTH worker decodes instead.
     router.update_load("d0", load(running=64))
     assert remote(router.route(req)) == ("p0", "d1", RouteReason.REMOTE_FASTER, 0)
+
+
+def test_a_prompt_in_prefill_is_queued_work() -> None:
+    # p0 reports nothing waiting but a 3000-token prompt halfway through its chunked
+    # prefill (1500 tokens left): it is not idle.
+    router = make(("p0", Role.PREFILL, load(waiting_tokens=1500, prefilling=1)),
+                  ("p1", Role.PREFILL, load()), ("d0", Role.DECODE, load()),
+                  disagg=DisaggPolicy.ALWAYS)
+    assert remote(router.route(request(1000)))[:2] == ("p1", "d0")
+
+
+def test_queue_counts_what_a_shared_step_computes_beside_the_prompt() -> None:
+    # p0 shares its steps between 2 prompts and has a long one in prefill: a 200-token
+    # prompt waits only for the 200 tokens the long one computes beside it (0.138 s).
+    # p1 serves first come first served with a 600-token prompt queued (0.405 s).
+    router = make(("p0", Role.PREFILL, load(waiting_tokens=3000, prefilling=1, partial=2)),
+                  ("p1", Role.PREFILL, load(waiting=1, waiting_tokens=600)),
+                  ("d0", Role.DECODE, load()), disagg=DisaggPolicy.ALWAYS)
+    decision = router.route(request(200))
+    assert remote(decision)[:2] == ("p0", "d0")
+    assert decision is not None
+    assert decision.predicted_s == pytest.approx(2 * prefill(200) + transfer(200) + step(1))
+    # Served one at a time, p0's 3000 tokens (2.0 s) come first: p1 is faster.
+    router.update_load("p0", load(waiting_tokens=3000, prefilling=1, partial=1))
+    assert remote(router.route(request(200)))[:2] == ("p1", "d0")
+
+
+def test_queue_wait_formula() -> None:
+    from splitserve.cluster.router.scoring import queue_wait
+    a, b, c = (np.array([v]) for v in (0.005, 1 / 1500, 0.0))
+    wait = lambda seqs, tokens, slots, u: float(queue_wait(  # noqa: E731
+        a, b, c, np.array([seqs]), np.array([tokens]), np.array([slots]), np.array([u]))[0])
+    assert wait(0, 0, 1, 100) == 0.0
+    assert wait(3, 3000, 0, 200) == pytest.approx(3 * prefill(1000))  # one at a time
+    assert wait(3, 3000, 1, 200) == pytest.approx(prefill(200) + 2 * prefill(1000))
+    assert wait(3, 3000, 4, 5000) == pytest.approx(3 * prefill(1000))  # longer than them
 
 
 # -- in-flight accounting --------------------------------------------------------------------

@@ -33,6 +33,30 @@ def test_chunked_prefill_gives_same_tokens(make_llm) -> None:
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == whole
 
 
+def test_short_prompt_shares_the_chunk_budget_and_load_counts_prefilling(make_llm) -> None:
+    llm = make_llm(max_num_batched_tokens=16, max_num_partial_prefills=2,
+                   enable_prefix_caching=False)
+    engine = llm.engine
+    long_p, short_p = prompts(2, seed=4, lo=100, hi=101)[0], prompts(1, seed=5, lo=12, hi=13)[0]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    engine.add_request("long", long_p, one)
+    engine.step()
+    load = engine.load()
+    assert (load.num_waiting, load.num_prefilling, load.num_waiting_tokens) == (0, 1, 84)
+    engine.add_request("short", short_p, one)
+    finished: dict[str, list[int]] = {}
+    steps = 0
+    while "short" not in finished:
+        finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        steps += 1
+    assert steps == 2 and "long" not in finished  # 8 + 8 tokens a step: 12 end in two
+    while engine.has_unfinished:
+        finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    alone = make_llm(enable_prefix_caching=False)
+    assert [finished["long"], finished["short"]] == \
+        [alone.generate(p, one)[0].token_ids for p in (long_p, short_p)]
+
+
 def test_prefix_cache_computes_only_uncached_tokens(make_llm) -> None:
     llm = make_llm()
     engine = llm.engine

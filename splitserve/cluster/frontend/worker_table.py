@@ -72,6 +72,7 @@ class WorkerTable:
         counts = {"pid": ready.pid, "block_size": ready.block_size,
                   "num_blocks": ready.num_blocks, "max_model_len": ready.max_model_len,
                   "max_num_seqs": ready.max_num_seqs,
+                  "max_num_partial_prefills": ready.max_num_partial_prefills,
                   "kv_bytes_per_token": ready.kv_bytes_per_token}
         bad = [name for name, value in counts.items() if not 0 < value < 1 << 40]
         if bad or not 0 < len(ready.fingerprint) <= 128:

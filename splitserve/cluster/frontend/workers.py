@@ -71,7 +71,8 @@ class Workers:
         # heads, dtype): the router's block counts and transfer-time estimate use it.
         self.router.set_kv_layout(KVLayout(msg.block_size, msg.kv_bytes_per_token))
         self.router.add_worker(msg.worker_id, msg.role,
-                               WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs))
+                               WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs,
+                                          max_num_partial_prefills=msg.max_num_partial_prefills))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
         self.count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
@@ -120,7 +121,8 @@ class Workers:
         wid = worker.worker_id
         self.router.update_load(wid, WorkerLoad(
             msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
-            msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs))
+            msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs,
+            msg.num_prefilling, worker.ready.max_num_partial_prefills))
         for step in msg.steps:
             if step.num_prefill_tokens and not step.num_decode_seqs:
                 self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)

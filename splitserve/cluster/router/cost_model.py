@@ -164,13 +164,6 @@ class PrefillCostModel(_FittedCurve):
             return 0.0
         return self.coefficients(num_tokens)
 
-    def predict_queue(self, num_seqs: int, num_tokens: int) -> float:
-        """Seconds to prefill `num_seqs` queued prompts totalling `num_tokens` tokens,
-        assuming equal lengths (the quadratic term is per prompt, not per queue)."""
-        if num_seqs <= 0 or num_tokens <= 0:
-            return 0.0
-        return num_seqs * self.predict(-(-num_tokens // num_seqs))
-
 
 class DecodeStepModel(_FittedCurve):
     """Seconds of one decode step with n running sequences: `a + b*n`, fitted like

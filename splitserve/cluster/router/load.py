@@ -23,10 +23,12 @@ class WorkerLoad:
 
     num_running: int
     num_waiting: int
-    num_waiting_tokens: int  # prompt tokens queued for prefill (uncached ones)
+    num_waiting_tokens: int  # prompt tokens to prefill (uncached): waiting and prefilling
     kv_blocks_used: int
     kv_blocks_total: int
     max_num_seqs: int
+    num_prefilling: int = 0  # running, prompt not all computed (in the tokens above)
+    max_num_partial_prefills: int = 1  # prompts one step's budget is shared among
 
 
 @dataclass(slots=True)
@@ -94,7 +96,8 @@ class WorkerState:
         self.expire_local_prefills(now - horizon_s)
         a, b, c = self.prefill_model.coefficients
         return WorkerTerms(
-            a, b, c, self.prefill_model.predict_queue(self.num_waiting, self.num_waiting_tokens),
+            a, b, c, self.num_waiting + self.load.num_prefilling, self.num_waiting_tokens,
+            self.load.max_num_partial_prefills - 1,
             self.decode_model.predict(self.num_running + 1), self.num_running,
             sum(seconds for _, seconds in self.local_prefills),
             self.num_free_blocks, self.load.kv_blocks_total, not self.is_full(),

@@ -19,7 +19,9 @@ index (the last block is always recomputed, as the engine does) and `u = T - cac
 
     prefill(w) = full(T) - locality_weight * (full(T) - full(u))      full = cost model
     load(w)    = queue(w) + step(w) + stall(w)
-                 queue: w's waiting prompts through its cost model
+                 queue: w's waiting and prefilling prompts through its cost model,
+                        the ones a step shares its budget among counted up to u tokens
+                        each (scoring.queue_wait)
                  step:  one decode step with w's running sequences + this one
                  stall: local prefill only: num_running * full(u) / tpot_window_tokens,
                         the TPOT its running sequences lose (the prefill's time spread

@@ -23,7 +23,9 @@ class WorkerTerms(NamedTuple):
     a: float  # prefill seconds = a + b*t + c*t^2 for t uncached tokens (clamped at 0)
     b: float
     c: float
-    queue_s: float  # queued prefill work
+    queued_seqs: int  # prompts waiting or in prefill there
+    queued_tokens: int  # their tokens still to compute
+    shared_slots: int  # prompts a new one shares the prefill budget with (partial prefills - 1)
     step_s: float  # one decode step with one more sequence than now
     num_running: int
     recent_prefill_s: float  # local prefills placed here within the TPOT horizon
@@ -95,12 +97,30 @@ class Scores:
     within_tpot: np.ndarray  # bool: a local prefill keeps running decodes in tpot_slo_s
 
 
+def queue_wait(a: np.ndarray, b: np.ndarray, c: np.ndarray, queued_seqs: np.ndarray,
+               queued_tokens: np.ndarray, shared_slots: np.ndarray,
+               uncached: np.ndarray) -> np.ndarray:
+    """Seconds of prefill work ahead of an `uncached`-token prompt, the queued prompts taken
+    as equal (`queued_tokens / queued_seqs` each): the scheduler shares each step among
+    up to `shared_slots` + 1 prompts (engine/scheduler.py), so the first `shared_slots`
+    queued ones delay it only by what they compute while it does (up to its own length);
+    those behind them in the queue, by all of theirs."""
+    seqs = np.maximum(queued_seqs, 0.0)
+    length = np.ceil(queued_tokens / np.maximum(seqs, 1.0))
+    shared = np.minimum(seqs, np.maximum(shared_slots, 0.0))
+    overlap = np.minimum(length, uncached)
+    full = lambda t: np.maximum(a + t * (b + t * c), 0.0)  # noqa: E731
+    wait = shared * full(overlap) + (seqs - shared) * full(length)
+    return np.where((seqs > 0) & (queued_tokens > 0), wait, 0.0)
+
+
 def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
           config: RouterConfig, kv: KVLayout, load_s: np.ndarray | None = None) -> Scores:
     """Scores a `num_tokens` prompt of which worker w holds `hit_blocks[w]` leading
     blocks, some below its pool to be loaded first in `load_s[w]` seconds; `terms` is
     `WorkerColumns.view()`."""
-    a, b, c, queue_s, step_s, running, recent_s, free, total, has_room, is_prefill = terms
+    (a, b, c, queued_seqs, queued_tokens, shared_slots, step_s, running, recent_s, free, total,
+     has_room, is_prefill) = terms
     bs = kv.block_size
     # NOTE: the engine always recomputes the prompt's last token, so a hit on every block
     # still leaves the last block to compute.
@@ -112,6 +132,7 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
     usage = (total - free + need_blocks) / total
     memory_s = config.memory_pressure_s * usage / np.maximum(1.0 - usage, 1.0 / total)
     prefill_s = np.maximum(a + uncached * (b + uncached * c), 0.0)
+    queue_s = queue_wait(a, b, c, queued_seqs, queued_tokens, shared_slots, uncached)
     if load_s is not None:  # loading a prefix from a tier below the pool is prefill time
         prefill_s = prefill_s + load_s
     credit_s = np.maximum(a + num_tokens * (b + num_tokens * c), 0.0) - prefill_s

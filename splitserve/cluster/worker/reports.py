@@ -45,6 +45,7 @@ class Reports:
         load = engine.load()
         report = P.LoadReport(
             num_running=load.num_running, num_waiting=load.num_waiting,
+            num_prefilling=load.num_prefilling,
             num_waiting_tokens=load.num_waiting_tokens, num_awaiting_kv=load.num_awaiting_kv,
             kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
             steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,

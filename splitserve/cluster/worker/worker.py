@@ -99,6 +99,7 @@ class Worker:
             fingerprint=engine.fingerprint, block_size=engine.block_size,
             num_blocks=engine.num_blocks, max_model_len=engine.context_limit,
             max_num_seqs=engine.config.scheduler.max_num_seqs,
+            max_num_partial_prefills=engine.config.scheduler.max_num_partial_prefills,
             kv_address=self.receiver.address if self.receiver else None,
             kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
             * engine.kv_cache.element_size()))
