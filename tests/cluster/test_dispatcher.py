@@ -3,6 +3,7 @@ engines (the real workers are tested end to end in tests/api/test_serving_e2e.py
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -137,6 +138,20 @@ def test_remote_prefill_flow_merges_both_workers() -> None:
         await p.send(P.KVEventBatch(3, []))
         assert isinstance(await p.recv(), P.ResyncKV)
     run(scenario, policy="always")
+
+
+def test_every_placement_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a", finished=True))
+        await task
+    with caplog.at_level(logging.DEBUG, logger="splitserve.cluster.frontend.routing"):
+        run(scenario)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("placed")] == [
+        "placed r1 (3 prompt tokens, attempt 0): prefill on both-0, decode on both-0, "
+        "aggregated, 0 cached, predicted TTFT 0.03 s"]
 
 
 def test_a_prefill_worker_that_never_hands_off_is_aborted() -> None:

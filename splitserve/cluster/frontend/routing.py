@@ -12,6 +12,7 @@ a burst or of the queue, sees that load).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from splitserve.cluster import protocol as P
@@ -25,6 +26,8 @@ from splitserve.cluster.router.admission import AdmissionQueue
 from splitserve.cluster.router.placement import RouteDecision, RouteReason, RouteRequest
 from splitserve.cluster.router.router import Router
 from splitserve.errors import AdmissionRejected
+
+logger = logging.getLogger(__name__)
 
 
 class Routing:
@@ -96,6 +99,14 @@ class Routing:
 
     def _commit(self, flight: Flight, decision: RouteDecision) -> None:
         self.metrics.router_decisions.labels(decision.reason.name.lower()).inc()
+        if logger.isEnabledFor(logging.DEBUG):  # --log-level debug: one line per placement
+            assert flight.route_req is not None
+            logger.debug("placed %s (%d prompt tokens, attempt %d): prefill on %s, decode "
+                         "on %s, %s, %d cached, predicted TTFT %.2f s",
+                         flight.route_req.request_id, flight.route_req.num_prompt_tokens,
+                         flight.attempt, decision.prefill_worker or decision.decode_worker,
+                         decision.decode_worker, decision.reason.name.lower(),
+                         decision.num_cached_tokens, decision.predicted_s)
         self._book(flight, decision)
         if flight.attempt == 0 and decision.peer is None:  # a peer's prefix is not cached
             flight.expected_hit = decision.num_cached_tokens
