@@ -24,10 +24,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Token budget of one engine step (prefill chunks + decodes).
     max_num_batched_tokens: int = 512
-    # Prompts left unfinished by one step (chunked prefill), at most: more share the budget
-    # so a short prompt is not stuck behind a long one; fewer serve a queue of long prompts
-    # sooner one by one. 1 = first come, first served (short prompts that finish within
-    # the step still join).
+    # Prompts left unfinished by one step (chunked prefill), at most: a prompt shorter than
+    # one in prefill shares the budget with it instead of waiting for all of it (equal
+    # prompts never share). 1 = first come, first served (prompts that finish within the
+    # step still join).
     max_num_partial_prefills: int = 2
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None

@@ -5,9 +5,10 @@ at most `max_num_batched_tokens`. Decodes take one token each; the budget they l
 split among the prompts being prefilled (running ones mid-prompt, then waiting ones in
 arrival order), max-min fairly (`fair_shares`): a short prompt that arrives while a long
 one is in its chunked prefill runs beside it instead of waiting for all of it (no
-head-of-line blocking). Waiting prompts join while at most `max_num_partial_prefills`
-prompts end the step unfinished, so a queue of long prompts is served a few at a time,
-not all slowly at once. When blocks run out the newest running request is preempted and
+head-of-line blocking). A waiting prompt joins while at most `max_num_partial_prefills`
+prompts end the step unfinished, and only if it fits the step or is shorter than a prompt
+in prefill: sharing is shortest-first at heart, so a queue of equal prompts is still
+served first come, first served (sharing them would delay them all). When blocks run out the newest running request is preempted and
 will recompute. Prefix hits and imported KV just start a request with some tokens
 already computed. Chunk boundaries never change results (batch-invariant kernels).
 """
@@ -141,8 +142,9 @@ class Scheduler:
     def _prefill_shares(self, budget: int) -> dict[str, int]:
         """This step's tokens for each prompt in prefill (request id -> tokens; decodes are
         not in it): running prompts first, then waiting ones in arrival order while the
-        shares leave at most `max_num_partial_prefills` prompts unfinished and give each
-        at least one token. A waiting prompt's need counts its cached prefix as computed
+        shares leave at most `max_num_partial_prefills` prompts unfinished, give each at
+        least one token, and the newcomer fits the step or is shorter than a prompt
+        already in it. A waiting prompt's need counts its cached prefix as computed
         (it may find less at admission: it then takes less)."""
         ids: list[str] = []
         needs: list[int] = []
@@ -161,6 +163,15 @@ class Scheduler:
             trial = fair_shares(trial_needs, budget)
             num_partial = sum(share < need for share, need in zip(trial, trial_needs))
             if 0 in trial or num_partial > self.config.max_num_partial_prefills:
+                break
+            # Sharing pays only for a prompt shorter than one in prefill (it then ends
+            # first); one that is not takes what the others leave (first come, first
+            # served: a queue of equal prompts is served one by one, not all slowly).
+            if sum(trial_needs) > budget and needs and trial_needs[-1] >= max(needs):
+                left = budget - sum(needs)
+                if left > 0:
+                    ids.append(req.request_id)
+                    shares = [*needs, left]
                 break
             ids.append(req.request_id)
             needs, shares = trial_needs, trial

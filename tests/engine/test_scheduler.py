@@ -94,15 +94,31 @@ def test_one_partial_prefill_is_first_come_first_served() -> None:
     assert step(sched) == {"long": 472, "tiny": 40}
 
 
-def test_the_partial_limit_keeps_a_queue_of_long_prompts_served_a_few_at_a_time() -> None:
+def test_a_queue_of_equal_prompts_is_first_come_first_served() -> None:
+    # Sharing pays only for a prompt shorter than one in prefill: equal prompts shared
+    # would all finish late together, so the next one takes what the first leaves.
     sched = make(budget=512, partial=2)
-    for i in range(4):
-        add(sched, f"p{i}", 2000, seed=i)
-    assert step(sched) == {"p0": 256, "p1": 256}
-    assert step(sched) == {"p0": 256, "p1": 256}
-    # ... while short ones that fit in the step beside them are not held back.
+    for i in range(3):
+        add(sched, f"p{i}", 1000, seed=i)
+    assert step(sched) == {"p0": 512}
+    assert step(sched) == {"p0": 488, "p1": 24}
     add(sched, "tiny", 30, seed=9)
-    assert step(sched) == {"p0": 256, "p1": 256}  # tiny waits behind p2 (arrival order)
+    assert step(sched) == {"p0": 1, "p1": 511}  # tiny waits behind p2 (arrival order)
+
+
+def test_the_partial_limit_bounds_how_many_prompts_share_a_step() -> None:
+    sched = make(budget=512, partial=2)
+    add(sched, "long", 4071)
+    step(sched)
+    add(sched, "s1", 589, seed=1)
+    add(sched, "s2", 395, seed=2)
+    assert step(sched) == {"long": 256, "s1": 256}  # s2 would be a third partial prefill
+    sched = make(budget=512, partial=3)
+    add(sched, "long", 4071)
+    step(sched)
+    add(sched, "s1", 589, seed=1)
+    add(sched, "s2", 395, seed=2)
+    assert step(sched) == {"long": 171, "s1": 171, "s2": 170}
 
 
 def test_decodes_take_their_token_before_prompts_share_the_rest() -> None:
@@ -111,7 +127,7 @@ def test_decodes_take_their_token_before_prompts_share_the_rest() -> None:
         add(sched, f"d{i}", 20, seed=i)
     assert step(sched) == {"d0": 20, "d1": 20, "d2": 20}
     add(sched, "a", 300, seed=5)
-    add(sched, "b", 300, seed=6)
+    add(sched, "b", 200, seed=6)
     # 3 decodes take 3 tokens, the two prompts split the other 61.
     assert step(sched) == {"d0": 1, "d1": 1, "d2": 1, "a": 31, "b": 30}
 
@@ -134,10 +150,10 @@ def test_a_cached_prefix_counts_as_computed_in_the_share() -> None:
 def test_preemption_frees_the_newest_and_it_resumes_later() -> None:
     sched = make(budget=512, partial=2, num_blocks=36)  # 576 token slots
     a, b = add(sched, "a", 300), add(sched, "b", 300, seed=1)
-    assert step(sched) == {"a": 256, "b": 256}  # 16 blocks each
-    # a's last 44 tokens take 3 more blocks; b's would need 3 more than are left:
+    assert step(sched) == {"a": 300, "b": 212}  # 19 + 14 blocks
+    # a decodes in its 19 blocks; b's last 88 tokens would need 6 blocks, 3 are left:
     # b (the newest) is preempted, its blocks go back, and it recomputes after a ends.
-    assert step(sched) == {"a": 44}
+    assert step(sched) == {"a": 1}
     assert b.num_preemptions == 1 and b.num_computed_tokens == 0
     for _ in range(12):
         step(sched)
