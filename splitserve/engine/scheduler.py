@@ -8,9 +8,10 @@ one is in its chunked prefill runs beside it instead of waiting for all of it (n
 head-of-line blocking). A waiting prompt joins while at most `max_num_partial_prefills`
 prompts end the step unfinished, and only if it fits the step or is shorter than a prompt
 in prefill: sharing is shortest-first at heart, so a queue of equal prompts is still
-served first come, first served (sharing them would delay them all). When blocks run out the newest running request is preempted and
-will recompute. Prefix hits and imported KV just start a request with some tokens
-already computed. Chunk boundaries never change results (batch-invariant kernels).
+served first come, first served (sharing them would delay them all). When blocks run
+out the newest running request is preempted and will recompute. Prefix hits and imported
+KV just start a request with some tokens already computed. Chunk boundaries never change
+results (batch-invariant kernels).
 """
 from __future__ import annotations
 
