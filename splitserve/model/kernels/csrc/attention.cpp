@@ -53,7 +53,8 @@ inline void key_offsets(const Args& a, int64_t t, int64_t h, std::vector<int64_t
 struct Scratch {
   std::vector<float> scores;  // [G][Lp]
   std::vector<int64_t> offsets;  // [L]
-  std::vector<float> z;  // [G] softmax denominators
+  std::vector<float> z;  // [2G]: softmax denominators, then row maxima
+  std::vector<float> q;  // [G][head_dim]: the AVX2 path's query pairs as fp32
 };
 
 // Heads g0 .. g0+NQ-1 of one (token, kv head): o = (sum over l in order of e_l * v_l) / Z.
@@ -149,65 +150,173 @@ AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& s
   }
 }
 
-using AttendFn = void (*)(const Args&, int64_t, int64_t, Scratch&);
-constexpr AttendFn kAttendAvx512[8] = {attend_avx512<1>, attend_avx512<2>, attend_avx512<3>,
-                                       attend_avx512<4>, attend_avx512<5>, attend_avx512<6>,
-                                       attend_avx512<7>, attend_avx512<8>};
+// ---- AVX2 + FMA: the same arithmetic as attend_avx512, 8 lanes at a time ---------------
+// Scores of heads g0 .. g0+NQ-1 (their query pairs as fp32 in qf: per head and 16-element
+// chunk s, [odd elements (8)][even elements (8)]) over all L keys; each key's K row is
+// converted once for the NQ heads. Fills buf (row stride Lp) and row_max.
+template <int S, int NQ>
+AVX2_TARGET void score_keys_avx2(const Args& a, const float* qf, const int64_t* off, int64_t L,
+                                 float* buf, int64_t Lp, float* row_max) {
+  const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  __m256 mx[NQ];
+  for (int q = 0; q < NQ; ++q) mx[q] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t l0 = 0; l0 < L; l0 += 8) {
+    const int n = (int)std::min<int64_t>(8, L - l0);
+    __m256 sums[NQ][8];  // per head and key: lanes lo + hi, tree16's first level
+    for (int j = 0; j < n; ++j) {
+      const bf16_t* k = a.k + off[l0 + j];
+      __m256 lo[NQ], hi[NQ];
+      for (int q = 0; q < NQ; ++q) lo[q] = hi[q] = _mm256_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        const __m256i kw = _mm256_loadu_si256((const __m256i*)(k + 16 * s));
+        const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(kw, odd_mask));
+        const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(kw, 16));
+        for (int q = 0; q < NQ; ++q) {
+          __m256& lane = s % 2 ? hi[q] : lo[q];
+          const float* qs = qf + (q * S + s) * 16;
+          lane = _mm256_fmadd_ps(_mm256_loadu_ps(qs), ko, lane);
+          lane = _mm256_fmadd_ps(_mm256_loadu_ps(qs + 8), ke, lane);
+        }
+      }
+      for (int q = 0; q < NQ; ++q) sums[q][j] = _mm256_add_ps(lo[q], hi[q]);
+    }
+    for (int q = 0; q < NQ; ++q)
+      for (int j = n; j < 8; ++j) sums[q][j] = _mm256_setzero_ps();
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    for (int q = 0; q < NQ; ++q) {
+      const __m256 sv = _mm256_mul_ps(tree16x8(sums[q]), scale);
+      float* row = buf + q * Lp + l0;
+      if (n == 8) {
+        _mm256_storeu_ps(row, sv);
+      } else {
+        alignas(32) float part[8];
+        _mm256_store_ps(part, sv);
+        for (int j = 0; j < n; ++j) row[j] = part[j];
+      }
+      // max(s, m) keeps m when s is NaN; a max is exact in any order
+      mx[q] = _mm256_max_ps(_mm256_blendv_ps(mx[q], sv, keep), mx[q]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q) row_max[q] = max8(mx[q]);
+}
 
+// Heads g0 .. g0+NQ-1, head_dim elements 16*p0 .. 16*(p0+NP)-1: o = (sum over l in order of
+// e_l * v_l) / Z. A 16-element V piece is widened by two unpacks, which leave its columns
+// as [0-3, 8-11] and [4-7, 12-15]; the accumulators keep that order until the store.
+template <int NQ, int NP>
+AVX2_TARGET void weigh_values_avx2(const Args& a, int64_t t, int64_t h, int64_t g0, int64_t p0,
+                                   const float* e, int64_t Lp, const int64_t* off, int64_t L,
+                                   const float* z) {
+  const int64_t G = a.H / a.HKV;
+  __m256 acc[NQ][2 * NP];
+  #pragma GCC unroll 16
+  for (int q = 0; q < NQ; ++q)
+    #pragma GCC unroll 16
+    for (int c = 0; c < 2 * NP; ++c) acc[q][c] = _mm256_setzero_ps();
+  const float* e0 = e + g0 * Lp;
+  const bf16_t* v0 = a.v + 16 * p0;
+  for (int64_t l = 0; l < L; ++l) {
+    #pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) {  // one piece at a time: 12 accumulators + 3 registers
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(v0 + off[l] + 16 * p));
+      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
+      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
+      #pragma GCC unroll 16
+      for (int q = 0; q < NQ; ++q) {
+        const __m256 pq = _mm256_broadcast_ss(e0 + q * Lp + l);
+        acc[q][2 * p] = _mm256_fmadd_ps(pq, lo, acc[q][2 * p]);
+        acc[q][2 * p + 1] = _mm256_fmadd_ps(pq, hi, acc[q][2 * p + 1]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int q = 0; q < NQ; ++q) {
+    const __m256 zq = _mm256_set1_ps(z[g0 + q]);
+    bf16_t* o = a.out + (t * a.H + h * G + g0 + q) * a.D + 16 * p0;
+    #pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) {
+      const __m256 x = _mm256_div_ps(acc[q][2 * p], zq), y = _mm256_div_ps(acc[q][2 * p + 1], zq);
+      _mm_storeu_si128((__m128i*)(o + 16 * p), f32x8_to_bf16(_mm256_permute2f128_ps(x, y, 0x20)));
+      _mm_storeu_si128((__m128i*)(o + 16 * p + 8),
+                       f32x8_to_bf16(_mm256_permute2f128_ps(x, y, 0x31)));
+    }
+  }
+}
+
+template <int S, int NQ>
+AVX2_TARGET void weigh_pieces_avx2(const Args& a, int64_t t, int64_t h, int64_t g0,
+                                   const float* e, int64_t Lp, const int64_t* off, int64_t L,
+                                   const float* z) {
+  constexpr int NP = NQ == 1 ? 4 : 2;  // 8 accumulators: 8 FMA chains, no spills
+  int p0 = 0;
+  for (; p0 + NP <= S; p0 += NP) weigh_values_avx2<NQ, NP>(a, t, h, g0, p0, e, Lp, off, L, z);
+  for (; p0 < S; ++p0) weigh_values_avx2<NQ, 1>(a, t, h, g0, p0, e, Lp, off, L, z);
+}
+
+template <int S>  // head_dim / 16: 16-element chunks, summed into lanes lo (even) / hi (odd)
 AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, Scratch& sc) {
-  const int64_t G = a.H / a.HKV, D = a.D, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
+  constexpr int kHeads = 3;  // heads scored together (each K row converted once for them)
+  const int64_t G = a.H / a.HKV, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
   key_offsets(a, t, h, sc.offsets);
   const int64_t* off = sc.offsets.data();
   sc.scores.assign(G * Lp, 0.f);
-  std::vector<float>& buf = sc.scores;
+  float* buf = sc.scores.data();
+  sc.z.resize(2 * G);
+  float* z = sc.z.data();
+  float* row_max = z + G;
+  // the query pairs as fp32: per head and chunk s, [odd elements (8)][even elements (8)]
+  sc.q.resize(G * S * 16);
+  float* qf = sc.q.data();
   const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
   const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-  for (int64_t l = 0; l < L; ++l) {
-    const bf16_t* k = a.k + off[l];
-    for (int64_t g = 0; g < G; ++g) {
-      const bf16_t* q = q0 + g * a.q_head;
-      V16 acc{_mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t c = 0; c < D; c += 32)
-        for (int half = 0; half < 2 && c + 16 * half < D; ++half) {
-          const __m256i qw = _mm256_loadu_si256((const __m256i*)(q + c + 16 * half));
-          const __m256i kw = _mm256_loadu_si256((const __m256i*)(k + c + 16 * half));
-          __m256& lane = half ? acc.hi : acc.lo;
-          lane = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(qw, odd_mask)),
-                                 _mm256_castsi256_ps(_mm256_and_si256(kw, odd_mask)), lane);
-          lane = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(qw, 16)),
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(kw, 16)), lane);
-        }
-      buf[g * Lp + l] = tree16(acc) * a.scale;
+  for (int64_t g = 0; g < G; ++g)
+    for (int s = 0; s < S; ++s) {
+      const __m256i qw = _mm256_loadu_si256((const __m256i*)(q0 + g * a.q_head + 16 * s));
+      float* dst = qf + (g * S + s) * 16;
+      _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_and_si256(qw, odd_mask)));
+      _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_slli_epi32(qw, 16)));
     }
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t nq = std::min<int64_t>(kHeads, G - g0);
+    const float* qg = qf + g0 * S * 16;
+    float* bg = buf + g0 * Lp;
+    if (nq == 3) score_keys_avx2<S, 3>(a, qg, off, L, bg, Lp, row_max + g0);
+    else if (nq == 2) score_keys_avx2<S, 2>(a, qg, off, L, bg, Lp, row_max + g0);
+    else score_keys_avx2<S, 1>(a, qg, off, L, bg, Lp, row_max + g0);
   }
+  // softmax numerators in place, one Z per head (lanes of 8 alternate lo / hi)
   for (int64_t g = 0; g < G; ++g) {
-    float* s = buf.data() + g * Lp;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < L; ++l) m = s[l] > m ? s[l] : m;
+    float* s = buf + g * Lp;
+    const __m256 m = _mm256_set1_ps(row_max[g]);
     V16 sum{_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t l = 0; l < Lp; l += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), _mm256_set1_ps(m)));
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
       if (L - l < 8) {
-        alignas(32) float keep[8];
-        for (int i = 0; i < 8; ++i) keep[i] = l + i < L ? 1.f : 0.f;
-        e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_load_ps(keep), _mm256_set1_ps(0.f),
-                                           _CMP_NEQ_OQ));
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32((int)(L - l)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        e = _mm256_and_ps(e, keep);
       }
       _mm256_storeu_ps(s + l, e);
       __m256& lane = (l / 8) % 2 ? sum.hi : sum.lo;
       lane = _mm256_add_ps(lane, e);
     }
-    const __m256 z = _mm256_set1_ps(tree16(sum));
-    bf16_t* o = a.out + (t * a.H + h * G + g) * D;
-    for (int64_t c = 0; c < D; c += 8) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t l = 0; l < L; ++l)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[l]),
-                              bf16x8_to_f32(a.v + off[l] + c), acc);
-      _mm_storeu_si128((__m128i*)(o + c), f32x8_to_bf16(_mm256_div_ps(acc, z)));
-    }
+    z[g] = tree16(sum);
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += 2) {  // two heads at a time: 16 ymm registers hold no more
+    if (G - g0 >= 2) weigh_pieces_avx2<S, 2>(a, t, h, g0, buf, Lp, off, L, z);
+    else weigh_pieces_avx2<S, 1>(a, t, h, g0, buf, Lp, off, L, z);
   }
 }
+
+using AttendFn = void (*)(const Args&, int64_t, int64_t, Scratch&);
+constexpr AttendFn kAttendAvx512[8] = {attend_avx512<1>, attend_avx512<2>, attend_avx512<3>,
+                                       attend_avx512<4>, attend_avx512<5>, attend_avx512<6>,
+                                       attend_avx512<7>, attend_avx512<8>};
+constexpr AttendFn kAttendAvx2[8] = {attend_avx2<1>, attend_avx2<2>, attend_avx2<3>,
+                                     attend_avx2<4>, attend_avx2<5>, attend_avx2<6>,
+                                     attend_avx2<7>, attend_avx2<8>};
 
 }  // namespace
 
@@ -248,7 +357,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
          block_tables.data_ptr<int32_t>(), block_tables.dim() == 2 ? block_tables.size(1) : 0,
          token_seq.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
          H, HKV, D, (float)scale, reinterpret_cast<bf16_t*>(out.data_ptr())};
-  const AttendFn attend = get_isa() == 2 ? kAttendAvx512[D / 16 - 1] : attend_avx2;
+  const AttendFn attend = (get_isa() == 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];
   // Threads take contiguous ranges; tasks alternate from both ends so that a causal
   // prefill's short and long contexts are spread over them (0, n-1, 1, n-2, ...).
   const int64_t n = T * HKV;

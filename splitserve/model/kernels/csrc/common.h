@@ -85,6 +85,30 @@ AVX2_TARGET inline float tree16(V16 v) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
+// tree16 of 8 keys at once, given each key's first level a[j] = lo + hi: lane j of the
+// result = tree16(V16 of key j), the same additions of the same operands (then i + (i+4),
+// i + (i+2), i + (i+1)), 8 keys wide.
+AVX2_TARGET inline __m256 tree16x8(const __m256 a[8]) {
+  __m256 b[4], c[2];
+  for (int p = 0; p < 4; ++p)  // 128-bit lane k holds b of key 2p+k
+    b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  for (int r = 0; r < 2; ++r)  // lane k = [c0, c1 of key 4r+k, c0, c1 of key 4r+2+k]
+    c[r] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // c0 + c1: lane 0 holds keys 0, 2, 4, 6, lane 1 keys 1, 3, 5, 7
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The largest of 8 lanes (exact in any order).
+AVX2_TARGET inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
 AVX512_TARGET inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
