@@ -50,6 +50,7 @@ except ImportError:  # run as a plain script from benchmarks/
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
+from splitserve.model import kernels
 
 if _HERE not in sys.path:  # the sibling modules below
     sys.path.insert(0, _HERE)
@@ -68,6 +69,19 @@ class Settings:
     reps: int
     new_tokens: int  # batch 1 and batch 32
     warmup_new_tokens: int
+
+
+def ceiling_dtype(engine: LLMEngine) -> torch.dtype:
+    """The GEMM whose FLOP/s is the engine's compute ceiling: bf16, except where the exact
+    kernels run their AVX2 path, which multiplies widened bf16 with fp32 FMAs (no bf16 dot
+    product on the CPU; torch's bf16 GEMM there is emulated, minutes for one 2048^3)."""
+    if engine.batch_invariant and kernels.isa_name() == "avx2":
+        return torch.float32
+    return torch.bfloat16
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
 
 def make_engine(args: argparse.Namespace, quantization: str | None = None,
@@ -215,9 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     monitor = CpuMonitor().start()
     t_start = time.perf_counter()
     log("machine limits ...")
-    gemm = guard("bf16 GEMM", lambda: measure_gemm_flops(torch.bfloat16, 2048))
+    dtype = ceiling_dtype(engine)
+    gemm = guard(f"{dtype_label(dtype)} GEMM", lambda: measure_gemm_flops(dtype, 2048))
     dram = guard("DRAM read", lambda: measure_dram_read_bandwidth(1 << 30))
-    log(f"  bf16 GEMM 2048^3: {fmt_flops(gemm.best)} (median {fmt_flops(gemm.median)}); "
+    log(f"  {dtype_label(dtype)} GEMM 2048^3: {fmt_flops(gemm.best)} "
+        f"(median {fmt_flops(gemm.median)}); "
         f"DRAM read: {dram.best / 1e9:.1f} GB/s (median {dram.median / 1e9:.1f})")
 
     engines = {f"**splitserve** ({dtype_name(engine)}, {kernels_label(engine)}, this run)": engine}
@@ -256,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"measured in {time.perf_counter() - t_start:.0f} s; other processes used "
         f"{load_during:.2f} cores on average meanwhile, {guard.discarded} measurement(s) redone")
 
-    body = report(args, st, engine, results, gemm, dram, bnds, around, load_before, guard,
-                  busy)
+    body = report(args, st, engine, results, (dtype_label(dtype), gemm), dram, bnds, around,
+                  load_before, guard, busy)
     print("\n" + body + "\n")
     if args.output != "-":
         write_section(args.output, "Engine", body, machine=machine_description(),

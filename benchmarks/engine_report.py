@@ -101,7 +101,8 @@ def report(args: argparse.Namespace, st: Any, engine: LLMEngine,
                      *cells])
     lines.append(markdown_table(["system", *(names[k] + " (tok/s)" for k in keys)], rows))
 
-    lines += ["", f"Machine limits in this run ({args.threads} threads): bf16 GEMM 2048^3 "
+    gemm_dtype, gemm = gemm
+    lines += ["", f"Machine limits in this run ({args.threads} threads): {gemm_dtype} GEMM 2048^3 "
               f"{fmt_flops(gemm.best)} (best of 7; median {fmt_flops(gemm.median)}), DRAM read "
               f"(sum over a filled 1 GiB buffer) {dram.best / 1e9:.1f} GB/s (best of 7; median "
               f"{dram.median / 1e9:.1f}). Bounds use the best values.", ""]
