@@ -63,6 +63,25 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     assert ProfileCache(path).get(replace(key, code="0" * 16)) is None
 
 
+def test_the_cpu_key_tells_apart_one_model_with_other_isas(tmp_path: Path) -> None:
+    """A Zen 4 VM with its AVX-512 hidden is named like one that shows it, and runs the
+    exact kernels' AVX2 path at a fraction of the speed: another key."""
+    def cpuinfo(flags: str) -> str:
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        block = (f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                 f"model name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n\n")
+        path.write_text(block + block.replace("processor\t: 0", "processor\t: 1"))
+        return str(path)
+
+    wide = profile.cpu_model(cpuinfo("avx2 fma avx512f avx512bw avx512_bf16"))
+    narrow = profile.cpu_model(cpuinfo("avx2 fma"))
+    assert wide == "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16)"
+    assert narrow == "AMD EPYC (family 25 model 17; avx2 fma)"
+    assert profile.cpu_model(str(tmp_path / "missing")) != ""  # the platform's answer
+    key = profile.ProfileKey("f", "bfloat16", True, 1, wide, 512)
+    assert key.cache_id != replace(key, cpu_model=narrow).cache_id
+
+
 def test_the_code_digest_follows_the_engine_sources(tmp_path: Path, monkeypatch) -> None:
     root = tmp_path / "splitserve"
     (root / "engine").mkdir(parents=True)

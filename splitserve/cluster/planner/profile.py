@@ -5,8 +5,8 @@ fitted by the router's own cost models (router/cost_model.py), then cached in a 
 file so that later starts on the same machine, model and settings measure nothing.
 
 A cache entry is keyed by what decides the timings: the model fingerprint (weights, KV
-dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU model and
-the prefill chunk (max_num_batched_tokens). The key is derived here the way the engine
+dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU (model and
+the ISA it exposes) and the prefill chunk (max_num_batched_tokens). The key is derived here the way the engine
 derives its fingerprint, and the child checks that its engine agrees, so a key can never
 hold another engine's curves.
 """
@@ -85,16 +85,33 @@ class CostCurves(NamedTuple):
     decode: Quadratic  # one decode step over n running sequences
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+# Flags that pick the kernels' code path (exact kernels: avx2 or avx512_bf16; oneDNN: AMX).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name, family/model and kernel-relevant ISA flags (/proc/cpuinfo),
+    else what the platform says. Two VMs of one name may expose different ISAs (a Zen 4
+    with its AVX-512 hidden runs the exact kernels' AVX2 path, 2-4x slower): their curves
+    must not be shared."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return line.partition(":")[2].strip()
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
+                if key == "" and fields:  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    if "model name" not in fields:
+        return platform.processor() or platform.machine() or "unknown"
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(flag for flag in _ISA_FLAGS if flag in flags) or "no avx2"
+    return (f"{fields['model name']} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}; {isa})")
 
 
 def engine_code_digest() -> str:
