@@ -87,6 +87,15 @@ def lengths(w: Workload, quick: bool, n: int) -> tuple[int, int, WorkloadInfo]:
     return int(p90), round(statistics.median(r.output_len for r in built.requests)), built.info
 
 
+def workload_hint(w: Workload, quick: bool, n: int) -> str:
+    """`--workload-hint` for the requests the sweeps send: mean prompt and output tokens and
+    the prompt lengths' coefficient of variation, as a user of --mode auto would give it."""
+    built = build_workload(w.config(quick, num_requests=n), MAX_MODEL_LEN)
+    prompts = np.array([len(r.prompt_token_ids) for r in built.requests], dtype=float)
+    cv = prompts.std() / prompts.mean()
+    return f"{prompts.mean():.0f}:{built.info.mean_output_len:.0f}:{cv:.2f}"
+
+
 def calibrate(url: str, w: Workload, quick: bool, n: int, override: SLO) -> dict[str, Any]:
     """Unloaded TTFT/TPOT on this (agg) server: one request at a time, p90 prompt, median
     output, fresh tokens (a prefix hit would flatter the TTFT); SLO per `derive_slo`."""
@@ -219,8 +228,7 @@ def run_table(w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any
     if calib is None and "agg" not in todo:  # the SLO is always measured on agg
         with serving(SETUPS["agg"], None) as url:
             calib = {**calibrate(url, w, args.quick, args.n, override), "settings": settings}
-    info = lengths(w, args.quick, args.n)[2]
-    hint = f"{info.mean_input_len:.0f}:{info.mean_output_len:.0f}"
+    hint = workload_hint(w, args.quick, args.n)
     for name in todo:
         monitor = CpuMonitor().start()
         with serving(SETUPS[name], SLO(**calib["slo"]) if calib else None, args.peer,

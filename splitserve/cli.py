@@ -92,7 +92,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "auto, giving a count means disagg)")
     p.add_argument("--decode", type=int, help="decode workers (agg: workers; default 1)")
     p.add_argument("--workload-hint", help="PROMPT:OUTPUT mean tokens --mode auto lays the "
-                   "machine out for (default 512:128)")
+                   "machine out for (default 512:128); PROMPT:OUTPUT:CV adds the prompt "
+                   "length's spread (std / mean), e.g. 839:24:0.9")
     p.add_argument("--profile-cache", help="JSON file of --mode auto's measured cost curves "
                    "(default $SPLITSERVE_PROFILE_CACHE, else "
                    "~/.cache/splitserve/layout_profiles.json)")

@@ -1,6 +1,8 @@
 """Frozen configuration dataclasses: one place for every engine knob."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 
@@ -302,14 +304,17 @@ class ServeConfig:
                 1 if self.decode is None else self.decode)
 
     @property
-    def workload_tokens(self) -> tuple[int, int]:
-        """`workload_hint` "PROMPT:OUTPUT" as (prompt tokens, output tokens)."""
-        prompt, sep, output = str(self.workload_hint).partition(":")
-        if sep and prompt.strip().isdigit() and output.strip().isdigit() \
-                and int(prompt) > 0 and int(output) > 0:
-            return int(prompt), int(output)
+    def workload_tokens(self) -> tuple[int, int, float | None]:
+        """`workload_hint` "PROMPT:OUTPUT[:CV]" as (mean prompt tokens, mean output tokens,
+        the prompt length's coefficient of variation or None)."""
+        fields = [f.strip() for f in str(self.workload_hint).split(":")]
+        if len(fields) in (2, 3) and all(f.isdigit() and int(f) > 0 for f in fields[:2]):
+            cv = _non_negative(fields[2]) if len(fields) == 3 else None
+            if len(fields) == 2 or cv is not None:
+                return int(fields[0]), int(fields[1]), cv
         raise ValueError(f"workload_hint={self.workload_hint!r} must be PROMPT:OUTPUT mean "
-                         f"tokens, e.g. 512:128 (quote it in YAML)")
+                         f"tokens, e.g. 512:128, or PROMPT:OUTPUT:CV with the prompt "
+                         f"length's std / mean, e.g. 839:24:0.9 (quote it in YAML)")
 
     def engine_args(self) -> dict[str, object]:
         return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,
@@ -318,3 +323,12 @@ class ServeConfig:
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_num_partial_prefills": self.max_num_partial_prefills,
                 "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
+
+
+def _non_negative(text: str) -> float | None:
+    """A finite float >= 0 written in `text`, else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None

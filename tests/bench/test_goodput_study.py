@@ -239,3 +239,17 @@ def test_a_variant_is_kept_beside_its_plain_table(tmp_path: Path) -> None:
         study.parse_args(["--variant", "Bad_Name"])
     args = study.parse_args(["--table", "a", "--variant", "strict-tpot"])
     assert args.variant == "strict-tpot"
+
+
+def test_default_is_told_the_workloads_prompt_spread() -> None:
+    """`default` gets --workload-hint MEAN:OUTPUT:CV of the prompts the sweeps send, which
+    ServeConfig accepts; the Mooncake replay is far more spread than chat's uniform."""
+    from splitserve.config import ServeConfig
+
+    hints = {key: study.workload_hint(setups.WORKLOADS[key], False, 30) for key in "bc"}
+    parsed = {key: ServeConfig(workload_hint=hint).workload_tokens
+              for key, hint in hints.items()}
+    chat, replay = parsed["b"], parsed["c"]
+    assert chat[2] is not None and replay[2] is not None
+    assert 0.1 < chat[2] < 0.6 < replay[2]
+    assert replay[0] == 839 and replay[1] == 24  # the (c) table's mean prompt and output

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from splitserve.cluster.planner.capacity import (Curves, Demand, fit_agg, fit_disagg,
-                                                 fit_mixed, local_share, mean_wait,
-                                                 poisson_quantile)
+from splitserve.cluster.planner.capacity import (Curves, Demand, Service, fit_agg,
+                                                 fit_disagg, fit_mixed, local_share,
+                                                 mean_wait, poisson_quantile)
 from splitserve.cluster.planner.layout import Shape, WorkloadHint, max_rate
 from splitserve.cluster.planner.model import PlannerConfig
 from splitserve.cluster.router.config import RouterConfig
@@ -91,8 +91,9 @@ def test_a_busy_decode_worker_keeps_prompts_remote_until_the_prefill_pool_queues
     assert 0 < share < 1
     # At that share the local side's wait and stall meet the remote wait and transfer.
     stall = 48 * service / WINDOW
-    local = mean_wait(share * heavy.rate, service + CURVES.step_s(48), 1, config)
-    remote = mean_wait((1 - share) * heavy.rate, service, 1, config)
+    prompt = Service(service, config.service_cv2, service)
+    local = mean_wait(share * heavy.rate, prompt.plus(CURVES.step_s(48)), 1, config)
+    remote = mean_wait((1 - share) * heavy.rate, prompt, 1, config)
     assert local + stall == pytest.approx(remote + 0.002 + 512 * 23040 / 2e9, rel=1e-3)
 
 

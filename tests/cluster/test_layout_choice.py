@@ -261,9 +261,11 @@ def test_the_choice_is_exposed_as_an_info_metric() -> None:
 
 
 def test_serve_config_checks_the_hint_and_defaults_to_auto() -> None:
-    assert ServeConfig().mode == "auto" and ServeConfig().workload_tokens == (512, 128)
-    assert ServeConfig(workload_hint="1024:64").workload_tokens == (1024, 64)
-    for bad in ("512", "512:0", "a:b", "-5:3"):
+    assert ServeConfig().mode == "auto" and ServeConfig().workload_tokens == (512, 128, None)
+    assert ServeConfig(workload_hint="1024:64").workload_tokens == (1024, 64, None)
+    assert ServeConfig(workload_hint="839:24:0.9").workload_tokens == (839, 24, 0.9)
+    for bad in ("512", "512:0", "a:b", "-5:3", "512:64:-1", "512:64:x", "512:64:nan",
+                "512:64:0.5:1"):
         with pytest.raises(ValueError, match="workload_hint"):
             ServeConfig(workload_hint=bad)
     with pytest.raises(ValueError, match="--planner needs"):

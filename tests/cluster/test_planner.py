@@ -11,8 +11,8 @@ import pytest
 from splitserve.cluster.planner import (Decision, Layout, Observation, Planner,
                                         PlannerConfig, StepKind, WorkerSample, check_budget,
                                         plan_steps)
-from splitserve.cluster.planner.capacity import (Curves, Demand, erlang_c, size_disagg,
-                                                 wait_quantile)
+from splitserve.cluster.planner.capacity import (Curves, Demand, Service, erlang_c,
+                                                 size_disagg, wait_quantile)
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.cost_model import Quadratic
 
@@ -92,10 +92,12 @@ def test_erlang_c_matches_closed_forms() -> None:
         assert erlang_c(2, 2 * rho) == pytest.approx(2 * rho ** 2 / (1 + rho))
     # M/M/1 p90 wait: rho exp(-(mu - lambda) t) = 0.1.
     mm1 = replace(CFG, arrival_cv2=1.0, service_cv2=1.0)
-    assert wait_quantile(3.0, 0.25, 1, mm1) == pytest.approx(math.log(0.75 / 0.1) / (4 - 3))
-    assert wait_quantile(3.0, 0.25, 1, replace(mm1, service_cv2=0.0)) == pytest.approx(
+    exponential, fixed = Service(0.25, 1.0, 0.25), Service(0.25, 0.0, 0.25)
+    assert wait_quantile(3.0, exponential, 1, mm1) == pytest.approx(
+        math.log(0.75 / 0.1) / (4 - 3))
+    assert wait_quantile(3.0, fixed, 1, mm1) == pytest.approx(
         math.log(0.75 / 0.1) / 2)  # M/D/1 by Allen-Cunneen: half
-    assert wait_quantile(4.0, 0.25, 1, mm1) == math.inf
+    assert wait_quantile(4.0, exponential, 1, mm1) == math.inf
 
 
 def test_sizes_follow_the_queueing_and_littles_law() -> None:
@@ -108,7 +110,9 @@ def test_sizes_follow_the_queueing_and_littles_law() -> None:
     assert sizing.num_decode == math.ceil(20 * 128 * 0.05 / 40)
     # Prefill: the smallest c whose p90 TTFT meets 1 s, more than the offered load alone.
     service = PREFILL(512)
-    ok = [c for c in range(1, 17) if wait_quantile(20.0, service, c, CFG) + service <= 1.0]
+    ok = [c for c in range(1, 17)
+          if wait_quantile(20.0, Service(service, CFG.service_cv2, service), c, CFG) + service
+          <= 1.0]
     assert sizing.num_prefill == ok[0] > math.ceil(20 * service)
     assert sizing.is_feasible and sizing.fit.ttft_s <= 1.0 and sizing.fit.tpot_s <= 0.05
     # Sequences running now count even above Little's law; a backlog drains in an interval.

@@ -1,6 +1,7 @@
 """Capacity with queueing: predicted TTFT and TPOT of a layout at given worker counts, and
 the smallest counts that meet the SLOs. The equations are in planner.py's docstring;
-fit_mixed's (decode workers that also prefill, --disagg-policy auto) in its own."""
+fit_mixed's (decode workers that also prefill, --disagg-policy auto) in its own; a
+prompt's prefill time over its length distribution in `prefill_service`'s."""
 from __future__ import annotations
 
 import math
@@ -25,6 +26,9 @@ class Demand(NamedTuple):
     backlog: int  # prompts queued for prefill now
     running: int  # sequences decoding now
     interval_s: float
+    # The prompt length's coefficient of variation (std / mean); None: unknown, and
+    # PlannerConfig.service_cv2 stands for the spread of prefill times.
+    prompt_cv: float | None = None
 
     @property
     def prefill_rate(self) -> float:
@@ -66,6 +70,65 @@ class Curves(NamedTuple):
         return lo
 
 
+class Service(NamedTuple):
+    """A prompt's prefill time on one worker, over the prompt-length distribution."""
+
+    mean_s: float  # E[S(L)]: what a queue's server is busy per prompt
+    cv2: float  # squared coefficient of variation of S(L) (Allen-Cunneen's cs^2)
+    tail_s: float  # S at the attainment quantile of L: the slowest prompt a TTFT must cover
+
+    def plus(self, seconds: float) -> Service:
+        """The same work and `seconds` more for every prompt (a decode step it rides)."""
+        total = self.mean_s + seconds
+        return Service(total, self.cv2 * (self.mean_s / total) ** 2 if total > 0 else 0.0,
+                       self.tail_s + seconds)
+
+
+def prefill_service(demand: Demand, curves: Curves, quantile: float,
+                    unknown_cv2: float) -> Service:
+    """The prefill time S(L) = a + b L + c L^2 of a prompt of random length L, its tail at
+    `quantile`.
+
+    With `demand.prompt_cv` unknown, L is its mean: S(mean), and `unknown_cv2` stands for
+    the spread (PlannerConfig.service_cv2). Else L
+    is lognormal with that mean m and cv (real prompt lengths are skewed: a few long
+    prompts and many short ones), whose raw moments are m^k (1 + cv^2)^(k(k-1)/2), so
+
+      E[S]   = a + b m1 + c m2
+      E[S^2] = a^2 + 2ab m1 + (b^2 + 2ac) m2 + 2bc m3 + c^2 m4
+      tail   = S(L_q), L_q = exp(mu + sigma z_q), sigma^2 = ln(1 + cv^2),
+               mu = ln m - sigma^2 / 2
+
+    The quadratic (attention) term makes the mean prefill of a spread of prompts longer
+    than the mean prompt's, and its spread lengthens every queue (cs^2 in the wait). cv 0
+    is the fixed length: S(m), cs^2 = 0. The lognormal has no context limit: for a trace
+    with cv ~1 (goodput table (c)) its mean and p90 prefill match the trace's within a
+    few %, its cs^2 overstates the trace's (~2 vs 3.6 where attention is a third of a
+    2K-token prefill), so queues are judged a little long."""
+    mean = demand.prompt_tokens
+    if mean <= 0:
+        return Service(0.0, 0.0, 0.0)
+    if demand.prompt_cv is None:
+        one = curves.prefill_s(mean)
+        return Service(one, unknown_cv2, one)
+    spread = 1 + demand.prompt_cv ** 2
+    m1, m2, m3, m4 = (mean ** k * spread ** (k * (k - 1) / 2) for k in range(1, 5))
+    a, b, c = curves.prefill
+    factor = curves.prefill_factor
+    first = (a + b * m1 + c * m2) * factor
+    second = (a * a + 2 * a * b * m1 + (b * b + 2 * a * c) * m2 + 2 * b * c * m3
+              + c * c * m4) * factor ** 2
+    sigma = math.sqrt(math.log(spread))
+    tail = math.exp(math.log(mean) - sigma ** 2 / 2
+                    + sigma * NormalDist().inv_cdf(quantile))
+    cv2 = max(second / first ** 2 - 1, 0.0) if first > 0 else 0.0
+    return Service(first, cv2, curves.prefill_s(tail))
+
+
+def _service(demand: Demand, curves: Curves, config: PlannerConfig) -> Service:
+    return prefill_service(demand, curves, config.attainment_target, config.service_cv2)
+
+
 class Fit(NamedTuple):
     ttft_s: float  # at the attainment_target quantile
     tpot_s: float
@@ -99,10 +162,10 @@ def _offered(rate: float, service_s: float) -> float | None:
     return rate * service_s if rate > 0 and service_s > 0 else None
 
 
-def wait_quantile(rate: float, service_s: float, servers: int, config: PlannerConfig) -> float:
+def wait_quantile(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
     """Queueing delay not exceeded by a share attainment_target of arrivals; inf when the
     servers cannot keep up."""
-    offered = _offered(rate, service_s)
+    offered = _offered(rate, service.mean_s)
     if offered is None or offered >= servers:
         return 0.0 if offered is None else INF
     tail = 1 - config.attainment_target
@@ -110,14 +173,21 @@ def wait_quantile(rate: float, service_s: float, servers: int, config: PlannerCo
     if waits <= tail:
         return 0.0
     # M/M/c: P(W > t) = C * exp(-(c/S - rate) t); Allen-Cunneen scales it to G/G/c.
-    mmc = math.log(waits / tail) / (servers / service_s - rate)
-    return mmc * (config.arrival_cv2 + config.service_cv2) / 2
+    mmc = math.log(waits / tail) / (servers / service.mean_s - rate)
+    return mmc * (config.arrival_cv2 + service.cv2) / 2
+
+
+def ttft_quantile(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
+    """Wait and prefill at the quantile: the quantile wait plus the quantile prompt's
+    prefill (the two add up at the extremes: at a light load the wait is 0 and the TTFT
+    quantile is the long prompt's; at a heavy one the wait dominates)."""
+    return wait_quantile(rate, service, servers, config) + service.tail_s
 
 
 def fit_disagg(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
                config: PlannerConfig) -> Fit:
-    service = curves.prefill_s(demand.prompt_tokens)
-    ttft = wait_quantile(demand.prefill_rate, service, num_prefill, config) + service
+    service = _service(demand, curves, config)
+    ttft = ttft_quantile(demand.prefill_rate, service, num_prefill, config)
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_decode)
     tpot = curves.step_s(per_worker) if per_worker <= curves.max_num_seqs else INF
     return Fit(ttft, tpot)
@@ -149,9 +219,9 @@ def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerCon
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_workers)
     if per_worker > curves.max_num_seqs:
         return Fit(INF, INF)
-    service = curves.prefill_s(demand.prompt_tokens)
+    service = _service(demand, curves, config)
     step = curves.step_s(per_worker)
-    prefill_share = demand.prefill_rate * service / num_workers
+    prefill_share = demand.prefill_rate * service.mean_s / num_workers
     if prefill_share >= 1:
         return Fit(INF, INF)
     mean_tpot = step / (1 - prefill_share)
@@ -159,21 +229,25 @@ def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerCon
     collisions = poisson_quantile(
         demand.prefill_rate / num_workers * outputs * mean_tpot + prefill_share,
         config.attainment_target)
-    tpot = max(mean_tpot, step + collisions * service / outputs)
+    tpot = max(mean_tpot, step + collisions * service.mean_s / outputs)
     # A prompt rides one step with the running batch: its service includes that step.
-    with_step = service + step if service > 0 else 0.0
-    ttft = wait_quantile(demand.prefill_rate, with_step, num_workers, config) + with_step
+    ttft = ttft_quantile(demand.prefill_rate, _riding(service, step), num_workers, config)
     return Fit(ttft, tpot)
 
 
-def mean_wait(rate: float, service_s: float, servers: int, config: PlannerConfig) -> float:
+def _riding(service: Service, step_s: float) -> Service:
+    """A colocated prompt's service: its prefill and the decode step it rides."""
+    return service.plus(step_s) if service.mean_s > 0 else service
+
+
+def mean_wait(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
     """Mean queueing delay (M/M/c: C * S / (c - a), Allen-Cunneen scaled); inf when the
     servers cannot keep up."""
-    offered = _offered(rate, service_s)
+    offered = _offered(rate, service.mean_s)
     if offered is None or offered >= servers:
         return 0.0 if offered is None else INF
-    mmc = erlang_c(servers, offered) * service_s / (servers - offered)
-    return mmc * (config.arrival_cv2 + config.service_cv2) / 2
+    mmc = erlang_c(servers, offered) * service.mean_s / (servers - offered)
+    return mmc * (config.arrival_cv2 + service.cv2) / 2
 
 
 def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
@@ -182,23 +256,24 @@ def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: in
     """The share f of prompts the decode workers of a mixed layout prefill themselves
     (fit_mixed's docstring); the rest go to the prefill pool."""
     rate = demand.prefill_rate
-    service = curves.prefill_s(demand.prompt_tokens)
+    service = _service(demand, curves, config)
+    mean_s = service.mean_s
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_decode)
     if per_worker > curves.max_num_seqs:
         return 0.0
     step = curves.step_s(per_worker)
     window = router.tpot_window_tokens
-    slack = 1 - (step + service / window) / config.slo_tpot_s  # the most u may be
+    slack = 1 - (step + mean_s / window) / config.slo_tpot_s  # the most u may be
     if slack <= 0:
         return 0.0
-    most = 1.0 if rate * service <= 0 else min(1.0, slack * num_decode / (rate * service))
-    stall = per_worker * service / window
+    most = 1.0 if rate * mean_s <= 0 else min(1.0, slack * num_decode / (rate * mean_s))
+    stall = per_worker * mean_s / window
     transfer = (router.transfer_latency_s + demand.prompt_tokens * kv.kv_bytes_per_token
                 / router.transfer_bandwidth_bytes_s)
     weight = router.load_weight
 
     def cheaper_locally(share: float) -> bool:
-        local = mean_wait(share * rate, service + step, num_decode, config)
+        local = mean_wait(share * rate, service.plus(step), num_decode, config)
         remote = mean_wait((1 - share) * rate, service, num_prefill, config)
         return weight * (local + stall) <= weight * remote + transfer
 
@@ -231,13 +306,15 @@ def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
       f           the largest share in [0, 1] meeting both (the cost rule holds up to a
                   share, as the local wait grows with f and the remote one shrinks)
       TPOT        step / (1 - u)                                        (as fit_agg)
-      TTFT        the worse of the local path, wait_q(f lambda, S + step, D) + S + step
+      TTFT        the worse of the local path, wait_q(f lambda, S + step, D) + S_q + step
                   (the prompt rides a step, as fit_agg), and the remote one,
-                  wait_q((1 - f) lambda, S, P) + S (as fit_disagg)
+                  wait_q((1 - f) lambda, S, P) + S_q (as fit_disagg)
 
-    f = 0 is fit_disagg exactly; f = 1 has fit_agg's TPOT on the D workers.
-    Not modeled: the length distribution (the prompt is a mean, so "short prompts go
-    local" is a share f, not a length threshold); KV transfer time in TTFT (it only
+    S is the mean prefill over the prompt lengths and S_q the quantile prompt's
+    (prefill_service; both S(prompt) when its spread is unknown). f = 0 is fit_disagg
+    exactly; f = 1 has fit_agg's TPOT on the D workers.
+    Not modeled: which prompts go local ("short prompts go local" is a share f of prompts
+    of the mean cost, not a length threshold); KV transfer time in TTFT (it only
     enters the cost rule); local prefills when every prefill worker is over budget (the
     router's spill); the memory terms of the costs; the router's knobs and KV bytes per
     token are `router` and `kv` (the defaults: the default model's)."""
@@ -245,14 +322,12 @@ def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
     if share <= 0:
         return fit_disagg(demand, curves, num_prefill, num_decode, config)
     rate = demand.prefill_rate
-    service = curves.prefill_s(demand.prompt_tokens)
+    service = _service(demand, curves, config)
     step = curves.step_s(math.ceil(demand.sequences(config.slo_tpot_s) / num_decode))
-    tpot = step / (1 - share * rate * service / num_decode)
-    with_step = service + step if service > 0 else 0.0
-    ttft = wait_quantile(share * rate, with_step, num_decode, config) + with_step
+    tpot = step / (1 - share * rate * service.mean_s / num_decode)
+    ttft = ttft_quantile(share * rate, _riding(service, step), num_decode, config)
     if share < 1:
-        remote = wait_quantile((1 - share) * rate, service, num_prefill, config) + service
-        ttft = max(ttft, remote)
+        ttft = max(ttft, ttft_quantile((1 - share) * rate, service, num_prefill, config))
     return Fit(ttft, tpot)
 
 
@@ -278,10 +353,9 @@ def size_disagg(demand: Demand, curves: Curves, config: PlannerConfig) -> Sizing
     """Each pool on its own: prefill against the TTFT SLO, decode against TPOT. Over the
     budget, the budget is split in proportion to what each pool needs."""
     budget = config.budget
-    service = curves.prefill_s(demand.prompt_tokens)
+    service = _service(demand, curves, config)
     num_p, p_ok = _smallest(
-        lambda c: wait_quantile(demand.prefill_rate, service, c, config) + service
-        <= config.slo_ttft_s,
+        lambda c: ttft_quantile(demand.prefill_rate, service, c, config) <= config.slo_ttft_s,
         config.min_prefill, min(config.max_prefill, budget - config.min_decode))
     max_batch = curves.max_batch(config.slo_tpot_s)
     needed = demand.sequences(config.slo_tpot_s)

@@ -26,10 +26,13 @@ queueing and prefill interference included). The best wins, except within 10% of
 When no candidate meets the SLOs at any rate, the one closest to them unloaded wins and
 the reason says so.
 
-Not modeled (as in the planner): KV transfer time in TTFT, the prompt length
-distribution beyond its mean (mixed's "short prompts local" is a share, not a length
-threshold), and memory bandwidth shared between workers (so many small workers are
-optimistic).
+The prompt lengths: their mean, and their spread when the hint gives it (`PROMPT:OUTPUT:CV`,
+a lognormal of that mean and coefficient of variation: capacity.prefill_service), which
+lengthens the mean prefill (attention's quadratic term), every queue (the service's cs^2)
+and the TTFT quantile (the long prompts' own prefill). Not modeled (as in the planner):
+KV transfer time in TTFT, mixed's "short prompts local" as a length threshold (it is a
+share of the prompts, each of the distribution's mean cost), and memory bandwidth shared
+between workers (so many small workers are optimistic).
 """
 from __future__ import annotations
 
@@ -50,19 +53,36 @@ DEFAULT_TTFT_FACTOR = 3.0
 DEFAULT_TPOT_FACTOR = 2.0
 _RATE_STEPS = 48  # bisection steps: the rate to ~1e-14 of its bracket
 _MAX_RATE = 1e9  # requests/s: a bound for curves that cost nothing
+MAX_PROMPT_CV = 10.0  # beyond this a lognormal's moments are no model of a workload
 
 
 @dataclass(frozen=True)
 class WorkloadHint:
-    """The traffic to lay the machine out for: mean prompt and output tokens."""
+    """The traffic to lay the machine out for: mean prompt and output tokens, and the
+    prompt length's coefficient of variation (std / mean) when known (None: the prompts
+    are taken as their mean; capacity.prefill_service)."""
 
     prompt_tokens: int
     output_tokens: int
+    prompt_cv: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"workload hint {self.prompt_tokens}:{self.output_tokens} needs "
                              f"positive prompt and output tokens")
+        if self.prompt_cv is not None and not 0 <= self.prompt_cv <= MAX_PROMPT_CV:
+            raise ValueError(f"workload hint prompt cv {self.prompt_cv} must be in "
+                             f"[0, {MAX_PROMPT_CV:g}] (std / mean of the prompt lengths)")
+
+    def demand(self, rate: float, interval_s: float) -> Demand:
+        """This traffic arriving at `rate` requests/s, nothing queued or running."""
+        return Demand(rate, float(self.prompt_tokens), float(self.output_tokens), backlog=0,
+                      running=0, interval_s=interval_s, prompt_cv=self.prompt_cv)
+
+    def __str__(self) -> str:
+        """e.g. "839+24-token requests (prompt cv 1.0)"."""
+        text = f"{self.prompt_tokens}+{self.output_tokens}-token requests"
+        return text if self.prompt_cv is None else f"{text} (prompt cv {self.prompt_cv:.2g})"
 
 
 @dataclass(frozen=True)
@@ -190,17 +210,21 @@ def candidate_threads(cores: int, threads_per_worker: int | None = None) -> list
     return sorted({t for *_, t in candidate_shapes(cores, threads_per_worker)})
 
 
-def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint) -> SLOTarget:
-    """Targets from the measured costs, for when none are given (see the factors)."""
+def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
+                quantile: float = PlannerConfig.attainment_target) -> SLOTarget:
+    """Targets from the measured costs, for when none are given (see the factors): the
+    TTFT's yardstick is the prefill of the hint's prompt at the attainment quantile (its
+    mean prompt when no spread is given)."""
     curves = curves_by_threads[min(curves_by_threads)]
-    return SLOTarget(DEFAULT_TTFT_FACTOR * curves.prefill_s(workload.prompt_tokens),
+    prompt = capacity.prefill_service(workload.demand(0.0, 1.0), curves, quantile,
+                                      unknown_cv2=0.0)
+    return SLOTarget(DEFAULT_TTFT_FACTOR * prompt.tail_s,
                      DEFAULT_TPOT_FACTOR * curves.step_s(1))
 
 
 def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
          workload: WorkloadHint, rate: float, config: PlannerConfig) -> Fit:
-    demand = Demand(rate, float(workload.prompt_tokens), float(workload.output_tokens),
-                    backlog=0, running=0, interval_s=config.interval_s)
+    demand = workload.demand(rate, config.interval_s)
     if shape is Shape.MIXED:
         if num_prefill < 1 or num_decode < 1:
             return Fit(capacity.INF, capacity.INF)
@@ -274,8 +298,7 @@ def _reason(chosen: Candidate, best: Candidate, found: list[Candidate],
                        sorted(found, key=lambda c: -c.max_rate) if c is not chosen)
     text = (f"{chosen.label}: {chosen.max_rate:.2g} req/s vs {others or 'no other'} at "
             f"TTFT {slo.ttft_s * 1000:.0f} ms / TPOT {slo.tpot_s * 1000:.0f} ms "
-            f"(p{quantile * 100:.0f}) for "
-            f"{workload.prompt_tokens}+{workload.output_tokens}-token requests")
+            f"(p{quantile * 100:.0f}) for {workload}")
     if best.max_rate == 0:
         text += "; no layout meets these SLOs even unloaded: the closest"
     elif chosen is not best and chosen.shape is Shape.AGG:
