@@ -221,7 +221,7 @@ class Cluster:
         return Observation(now, totals.duration_s, totals.num_arrivals,
                            totals.mean_prompt_tokens, totals.mean_output_tokens,
                            totals.ttft_attainment, totals.tpot_attainment, tuple(samples),
-                           load.seconds)
+                           load.seconds, totals.prompt_cv)
 
     def model_load(self) -> ModelLoad:
         """The start-to-serving time the planner uses: `--planner-model-load-s` when

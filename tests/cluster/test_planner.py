@@ -13,6 +13,8 @@ from splitserve.cluster.planner import (Decision, Layout, Observation, Planner,
                                         plan_steps)
 from splitserve.cluster.planner.capacity import (Curves, Demand, Service, erlang_c,
                                                  size_disagg, wait_quantile)
+from splitserve.cluster.frontend.interval import IntervalStats
+from splitserve.cluster.planner.forecast import LoadForecast
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.cost_model import Quadratic
 
@@ -45,7 +47,8 @@ class Sim:
         return roles.count(Role.PREFILL), len(roles) - roles.count(Role.PREFILL)
 
     def observe(self, rate: float, prompt: float, output: float, rng: random.Random | None
-                = None, running: int = 0, ttft: float | None = None) -> Observation:
+                = None, running: int = 0, ttft: float | None = None,
+                prompt_cv: float | None = None) -> Observation:
         self.now += self.config.interval_s
         lam = rate * self.config.interval_s
         arrivals = round(lam if rng is None else max(0.0, rng.gauss(lam, math.sqrt(lam))))
@@ -59,7 +62,7 @@ class Sim:
             samples.append(WorkerSample(worker_id, role, warming, *curves,
                                         num_running=running if role is not Role.PREFILL else 0))
         return Observation(self.now, self.config.interval_s, arrivals, prompt, output,
-                           ttft, None, tuple(samples))
+                           ttft, None, tuple(samples), prompt_cv=prompt_cv)
 
     def apply(self, decision: Decision) -> None:
         assert check_budget(len(self.workers), decision.steps, self.config.budget)
@@ -77,10 +80,11 @@ class Sim:
 
     def run(self, planner: Planner, num: int, rate: float, prompt: float = 512,
             output: float = 128, rng: random.Random | None = None, running: int = 0,
-            ttft: float | None = None) -> list[Decision]:
+            ttft: float | None = None, prompt_cv: float | None = None) -> list[Decision]:
         decisions = []
         for _ in range(num):
-            decision = planner.step(self.observe(rate, prompt, output, rng, running, ttft))
+            decision = planner.step(self.observe(rate, prompt, output, rng, running, ttft,
+                                                 prompt_cv))
             self.apply(decision)
             decisions.append(decision)
         return decisions
@@ -149,6 +153,43 @@ def test_prompt_heavy_shift_grows_prefill_only() -> None:
     sim.run(planner, 8, rate=8.0, prompt=1024)
     after = sim.counts()
     assert after[0] > before[0] and after[1] == before[1]
+
+
+def test_spread_prompts_need_more_prefill_than_their_mean() -> None:
+    """The same mean prompt, measured spread: the long prompts' prefill and the longer
+    queues of a spread service need more prefill workers for the same p90 TTFT; decode
+    is unchanged (it sees the mean output only)."""
+    counts = {}
+    for cv in (None, 1.5):
+        sim = Sim(CFG, 1, 1)
+        decisions = sim.run(Planner(CFG), 8, rate=8.0, prompt=512, prompt_cv=cv)
+        counts[cv] = sim.counts()
+        assert decisions[-1].predicted_ttft_s <= CFG.slo_ttft_s
+    assert counts[1.5][0] > counts[None][0] and counts[1.5][1] == counts[None][1]
+
+
+def test_forecast_smooths_the_measured_spread_and_keeps_it_through_gaps() -> None:
+    fc = LoadForecast(alpha=0.5, beta=0.2, damping=0.8)
+    fc.observe(1.0, 10, 500.0, 100.0, is_idle=False)
+    assert fc.prompt_cv is None  # nothing measured: the mean stands for all
+    fc.observe(1.0, 10, 500.0, 100.0, is_idle=False, prompt_cv=1.0)
+    fc.observe(1.0, 1, 500.0, 100.0, is_idle=False, prompt_cv=None)  # one arrival
+    assert fc.prompt_cv == 1.0
+    fc.observe(1.0, 10, 500.0, 100.0, is_idle=False, prompt_cv=0.2)
+    assert fc.prompt_cv == pytest.approx(0.6)
+
+
+def test_interval_measures_the_uncached_prompts_spread() -> None:
+    stats = IntervalStats(0.0, None, None)
+    stats.routed(100)
+    assert stats.take(1.0).prompt_cv is None  # one arrival: no spread
+    for tokens in (100, 300):
+        stats.routed(tokens)
+    totals = stats.take(2.0)
+    assert totals.mean_prompt_tokens == 200 and totals.prompt_cv == pytest.approx(0.5)
+    for _ in range(3):
+        stats.routed(64)
+    assert stats.take(3.0).prompt_cv == 0.0
 
 
 def test_output_heavy_shift_grows_decode_only() -> None:

@@ -1,6 +1,6 @@
 """Load prediction: Holt's linear smoothing of the arrival rate with a damped trend
 (Gardner and McKenzie: a step in load overshoots less), EWMAs of the prompt and output
-lengths, and idle detection."""
+lengths and of the prompt lengths' spread, and idle detection."""
 from __future__ import annotations
 
 import math
@@ -24,6 +24,7 @@ class LoadForecast:
     trend: float = 0.0  # change of the rate per interval
     prompt_tokens: float = 0.0
     output_tokens: float = 0.0
+    prompt_cv: float | None = None  # EWMA of the intervals' measured ones; None: none yet
     num_observed: int = 0
     num_idle: int = 0  # consecutive intervals with no arrivals and nothing in flight
     noise_prior: float = 0.2  # the noise assumed until _MIN_ERRORS are measured
@@ -33,7 +34,7 @@ class LoadForecast:
     last_work: tuple[float, float] | None = None
 
     def observe(self, rate: float, num_arrivals: int, prompt_tokens: float,
-                output_tokens: float, is_idle: bool) -> None:
+                output_tokens: float, is_idle: bool, prompt_cv: float | None = None) -> None:
         self.num_idle = self.num_idle + 1 if is_idle else 0
         if num_arrivals > 0:
             self._track_change(rate * prompt_tokens, rate * output_tokens)
@@ -53,6 +54,9 @@ class LoadForecast:
             weight = 1.0 if first else self.alpha
             self.prompt_tokens += weight * (prompt_tokens - self.prompt_tokens)
             self.output_tokens += weight * (output_tokens - self.output_tokens)
+        if prompt_cv is not None:
+            last = self.prompt_cv
+            self.prompt_cv = prompt_cv if last is None else last + self.alpha * (prompt_cv - last)
 
     def _track_change(self, prefill_work: float, decode_work: float) -> None:
         last, self.last_work = self.last_work, (prefill_work, decode_work)

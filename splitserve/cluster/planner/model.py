@@ -144,6 +144,9 @@ class Observation:
     workers: tuple[WorkerSample, ...]
     # Start-to-serving time the cluster measured (load_time.py); None: the config's.
     model_load_s: float | None = None
+    # The uncached prompt lengths' std / mean over the interval; None: not measured
+    # (fewer than 2 arrivals), and the planner keeps what it had.
+    prompt_cv: float | None = None
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,22 @@ The model, per interval k (rates in requests/s, times in seconds):
    load when a worker started now first serves; never below the level (a falling trend
    shrinks nothing early). model_load_s is the cluster's measured start-to-serving
    time when the observation carries one (load_time.py). Prompt (uncached) and output
-   lengths are EWMAs. After `idle_intervals` with no arrivals and nothing in flight the
+   lengths are EWMAs, and so is the prompt lengths' coefficient of variation (measured
+   in intervals with 2+ arrivals). After `idle_intervals` with no arrivals and nothing in flight the
    pools go to their minimums, cooldowns and windows aside, and the forecast restarts
    from the next load.
 2. Capacity. The pool's curves average the coefficients of the warm workers' own fits:
    prefill S(t) = a + b t + c t^2, decode step D(n) = a + b n + c n^2. Warming workers
    count in their pool's size (they were started for a reason) but never in its curves.
    With no warm fit: the last pooled curves, else the configured priors.
-3. Prefill pool as a G/G/c queue: lambda_p = lambda + backlog / interval, S = S(prompt),
-   offered load a = lambda_p S < c. M/M/c gives P(W > t) = C(c, a) exp(-(c/S - lambda_p) t)
-   (Erlang C), so the q-quantile wait is w_q = ln(C / (1 - q)) / (c/S - lambda_p), 0 when
-   C <= 1 - q, scaled by (ca^2 + cs^2) / 2 (Allen-Cunneen). Need TTFT_q = w_q + S <= SLO.
+3. Prefill pool as a G/G/c queue: lambda_p = lambda + backlog / interval, S the mean
+   prefill over the prompt lengths, offered load a = lambda_p S < c. M/M/c gives
+   P(W > t) = C(c, a) exp(-(c/S - lambda_p) t) (Erlang C), so the q-quantile wait is
+   w_q = ln(C / (1 - q)) / (c/S - lambda_p), 0 when C <= 1 - q, scaled by
+   (ca^2 + cs^2) / 2 (Allen-Cunneen). Need TTFT_q = w_q + S_q <= SLO, S_q the q-quantile
+   prompt's prefill. With a measured spread the prompt lengths are lognormal
+   (capacity.prefill_service: S, cs^2 and S_q from the curve in closed form); before
+   one, S = S_q = S(mean prompt) and cs^2 = service_cv2.
 4. Decode pool: n* = max{n <= max_num_seqs : D(n) <= SLO_tpot}; concurrent sequences
    N = max(lambda * output * SLO_tpot, running now) (Little's law at the SLO's pace, an
    upper bound); workers = ceil(N / n*); predicted TPOT = D(ceil(N / workers)).
@@ -53,7 +58,7 @@ The model, per interval k (rates in requests/s, times in seconds):
 
 Ignored: KV memory (decode batches are bounded by max_num_seqs only); KV transfer and
 network time in TTFT; worker heterogeneity (curves are averaged); the prompt length
-distribution beyond its mean (service_cv2 stands for its spread); decode workers
+distribution beyond its mean and spread (a lognormal stands for it); decode workers
 prefilling short prompts locally; several prompts sharing one prefill step (so TTFT is
 pessimistic); what drains and role switches cost while they run (the actuator's part).
 """
@@ -120,7 +125,8 @@ class Planner:
         in_flight = sum(w.num_running + w.num_waiting for w in obs.workers)
         self._forecast.observe(obs.num_arrivals / obs.duration_s, obs.num_arrivals,
                                obs.mean_prompt_tokens, obs.mean_output_tokens,
-                               is_idle=obs.num_arrivals == 0 and in_flight == 0)
+                               is_idle=obs.num_arrivals == 0 and in_flight == 0,
+                               prompt_cv=obs.prompt_cv)
         num_warming = sum(w.warming for w in obs.workers)
         reasons = [f"measured: {obs.num_arrivals} arrivals in {obs.duration_s:.1f}s, "
                    f"prompt {self._forecast.prompt_tokens:.0f} tok, output "
@@ -180,7 +186,7 @@ class Planner:
         backlog = sum(w.num_waiting for w in obs.workers)
         running = sum(w.num_running for w in obs.workers if w.role is not Role.PREFILL)
         return Demand(rate, fc.prompt_tokens, fc.output_tokens, backlog, running,
-                      cfg.interval_s)
+                      cfg.interval_s, fc.prompt_cv)
 
     def _correct(self, obs: Observation, layout: Layout, current: tuple[int, int],
                  demand: Demand, num_warming: int, reasons: list[str]) -> None:
