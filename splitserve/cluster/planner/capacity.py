@@ -90,9 +90,9 @@ def prefill_service(demand: Demand, curves: Curves, quantile: float,
     `quantile`.
 
     With `demand.prompt_cv` unknown, L is its mean: S(mean), and `unknown_cv2` stands for
-    the spread (PlannerConfig.service_cv2). Else L
-    is lognormal with that mean m and cv (real prompt lengths are skewed: a few long
-    prompts and many short ones), whose raw moments are m^k (1 + cv^2)^(k(k-1)/2), so
+    the spread (PlannerConfig.service_cv2). Else L is lognormal with that mean m and cv
+    (real prompt lengths are skewed: a few long prompts and many short ones), whose raw
+    moments are m^k (1 + cv^2)^(k(k-1)/2), so
 
       E[S]   = a + b m1 + c m2
       E[S^2] = a^2 + 2ab m1 + (b^2 + 2ac) m2 + 2bc m3 + c^2 m4
