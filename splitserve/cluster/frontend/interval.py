@@ -1,8 +1,7 @@
 """What the planner reads every interval from the request path: arrivals, the prompt
 tokens they bring (minus the prefix the router expected cached) and their spread, the
-output tokens of
-those that finished, and how many met the TTFT and TPOT targets. `take` returns the
-interval's totals and starts the next one."""
+output tokens of those that finished, and how many met the TTFT and TPOT targets. `take`
+returns the interval's totals and starts the next one."""
 from __future__ import annotations
 
 import math
