@@ -381,8 +381,8 @@ class LLMEngine(KVConnector):
                        req.num_computed_tokens, end)
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        # [2, len(block_ids), block_size, num_kv_heads, head_dim]
-        return self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)]
+        # [2, len(block_ids), block_size, num_kv_heads, head_dim], in host memory
+        return self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)].cpu()
 
     def write_kv_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)] = kv.to(

@@ -116,7 +116,8 @@ class KVConnectorWorker(Protocol):
     layer_listener: LayerListener | None
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """A copy of one layer's blocks, `kv_layout.layer_shape(len(block_ids))`."""
+        """A copy of one layer's blocks in host memory (whatever the engine's device),
+        `kv_layout.layer_shape(len(block_ids))`."""
 
     def write_kv_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Overwrites one layer of blocks reserved by `kv_import_target` (cast to the

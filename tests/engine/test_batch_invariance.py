@@ -86,10 +86,12 @@ def _check_every_logits_row() -> Iterator[None]:
 
 
 class Engines:
-    """Engines over one model: one per chunk size (prefix cache on) and the reference that
-    runs each request alone, in one chunk, without prefix caching."""
+    """Engines over one model on the CPU (where the exact kernels run, also on a machine
+    with a GPU): one per chunk size (prefix cache on) and the reference that runs each
+    request alone, in one chunk, without prefix caching."""
 
     def __init__(self, model: str | None, **kwargs: Any) -> None:
+        kwargs["device"] = "cpu"
         self.batched = {c: LLM(model, max_num_batched_tokens=c, debug_invariants=True, **kwargs)
                         for c in CHUNKS}
         self.alone = LLM(model, max_num_batched_tokens=512, enable_prefix_caching=False,

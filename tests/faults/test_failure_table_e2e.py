@@ -104,6 +104,24 @@ def test_corrupt_transfer_is_recomputed_never_used(cluster: Any, offline: LLM) -
     assert_pools_clean(cluster, NUM_WORKERS)
 
 
+def test_a_recomputed_prompt_reports_one_logprob_per_token(cluster: Any, offline: LLM) -> None:
+    """After a failed import the decode worker samples the first token itself: its logprobs
+    start at that token (the prefill worker's was streamed already), so the client gets one
+    logprob per token, each the offline engine's number."""
+    arm(cluster, "prefill-0", kind="corrupt_kv")
+    r = client(cluster).completions.create(model=model(cluster), prompt=PROMPT, max_tokens=8,
+                                           temperature=0.0, logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    got = r.choices[0].logprobs
+    assert got is not None and got.token_logprobs is not None and r.usage is not None
+    [want] = offline.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                     temperature=0.0, logprobs=2))
+    assert want.logprobs is not None
+    assert r.usage.completion_tokens == len(got.token_logprobs) == 8
+    assert got.token_logprobs == [t.logprob for t in want.logprobs]
+    assert_pools_clean(cluster, NUM_WORKERS)
+
+
 def test_kv_that_never_arrives_hits_the_kv_deadline(cluster: Any, offline: LLM) -> None:
     """The decode worker's reservation expires (--kv-timeout-s 5), its blocks are released
     and, under the default policy, it prefills locally."""

@@ -33,15 +33,16 @@ def test_packed_linear_is_the_linear_to_bf16_rounding(bias: bool) -> None:
 @pytest.mark.skipif(not is_supported(torch.device("cpu"), torch.bfloat16),
                     reason="exact kernels need an x86 CPU with AVX2")
 def test_fast_path_packs_and_has_its_own_fingerprint(tiny_llama_dir: str) -> None:
-    exact = LLM(tiny_llama_dir, dtype="bfloat16", num_blocks=64, debug_invariants=True)
+    exact = LLM(tiny_llama_dir, device="cpu", dtype="bfloat16", num_blocks=64,
+                debug_invariants=True)
     assert exact.engine.batch_invariant
     assert isinstance(exact.engine.model.lm_head, ExactLinear)
-    fast = LLM(tiny_llama_dir, dtype="bfloat16", num_blocks=64, debug_invariants=True,
+    fast = LLM(tiny_llama_dir, device="cpu", dtype="bfloat16", num_blocks=64, debug_invariants=True,
                batch_invariant=False)
     assert isinstance(fast.engine.model.lm_head, PackedLinear)
     assert isinstance(fast.engine.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     # fp32 engines keep plain nn.Linear (the HF parity tests run those)
-    fp32 = LLM(tiny_llama_dir, dtype="float32", num_blocks=64)
+    fp32 = LLM(tiny_llama_dir, device="cpu", dtype="float32", num_blocks=64)
     assert isinstance(fp32.engine.model.lm_head, nn.Linear) and not fp32.engine.batch_invariant
     # Their bits differ, so their KV must never mix.
     assert len({exact.engine.fingerprint, fast.engine.fingerprint,
@@ -57,9 +58,9 @@ def test_fast_path_packs_and_has_its_own_fingerprint(tiny_llama_dir: str) -> Non
 
 def test_batch_invariant_where_it_cannot_run_is_refused(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="batch_invariant=True needs bfloat16"):
-        LLM(tiny_llama_dir, dtype="float32", num_blocks=64, batch_invariant=True)
+        LLM(tiny_llama_dir, device="cpu", dtype="float32", num_blocks=64, batch_invariant=True)
     with pytest.raises(ValueError, match="quantization=int8 needs bfloat16"):
-        LLM(tiny_llama_dir, dtype="float32", num_blocks=64, quantization="int8")
+        LLM(tiny_llama_dir, device="cpu", dtype="float32", num_blocks=64, quantization="int8")
     # int8 weights run on the exact kernels: asking for invariance with them is fine
-    assert LLM(tiny_llama_dir, dtype="bfloat16", num_blocks=64, quantization="int8",
+    assert LLM(tiny_llama_dir, device="cpu", dtype="bfloat16", num_blocks=64, quantization="int8",
                batch_invariant=True).engine.batch_invariant

@@ -7,13 +7,11 @@ from splitserve.engine.output import RequestOutput, stable_text_len
 
 
 class OutputStream:
-    __slots__ = ("num_chars", "num_engine_chars", "logprobs_base", "first_token_only", "stops")
+    __slots__ = ("num_chars", "num_engine_chars", "first_token_only", "stops")
 
-    def __init__(self, logprobs_base: int = 0, first_token_only: bool = False,
-                 stops: list[str] | None = None) -> None:
+    def __init__(self, first_token_only: bool = False, stops: list[str] | None = None) -> None:
         self.num_chars = 0  # text sent to the frontend
         self.num_engine_chars = 0  # text the engine released (its delta_text, summed)
-        self.logprobs_base = logprobs_base  # output index of the engine's logprobs[0]
         self.first_token_only = first_token_only  # a prefill for another worker
         self.stops = stops or []
 
@@ -39,8 +37,12 @@ class OutputStream:
         token_offset = len(out.token_ids) - num_new
         logprobs, lp_offset = None, token_offset
         if out.logprobs is not None:
-            lp_offset = max(token_offset, self.logprobs_base)
-            logprobs = out.logprobs[lp_offset - self.logprobs_base:]
+            # The engine's logprobs cover the tokens it sampled, the last ones of its output:
+            # resumed and imported tokens come before them (an import that failed and was
+            # recomputed here imported none).
+            base = len(out.token_ids) - len(out.logprobs)
+            lp_offset = max(token_offset, base)
+            logprobs = out.logprobs[lp_offset - base:]
         msg = P.Output(out.request_id, token_offset, list(out.delta_token_ids), self.num_chars,
                        text, lp_offset, logprobs, finished, reason, out.stop_reason,
                        len(out.prompt_token_ids), out.num_cached_tokens)

@@ -285,10 +285,7 @@ class Worker:
                          await_kv=msg.await_kv, resume_token_ids=resumed, tenant=msg.tenant,
                          kv_prefix_end=msg.kv_prefix_end):
             return
-        # The engine's logprobs start at the first token sampled here (after a prefix
-        # import, this worker samples token 1 itself).
-        imported_token = msg.await_kv and msg.kv_prefix_end is None
-        self.streams[rid] = OutputStream(logprobs_base=len(resumed) + imported_token)
+        self.streams[rid] = OutputStream()
         if msg.await_kv:
             self.reserving[rid] = (msg, time.monotonic() + msg.kv_timeout_s)
             self._reserve()
@@ -308,8 +305,7 @@ class Worker:
         if not self._add(rid, msg.prompt_token_ids, first, msg.namespace, hold_kv=hand_off,
                          resume_token_ids=resumed, tenant=msg.tenant):
             return
-        self.streams[rid] = OutputStream(logprobs_base=len(resumed), first_token_only=hand_off,
-                                    stops=params.stop)
+        self.streams[rid] = OutputStream(first_token_only=hand_off, stops=params.stop)
         if hand_off:
             self.handoffs.add(rid, msg.namespace, msg.kv_timeout_s)
             self._inject(self.faults.fire("transfer"), rid)
