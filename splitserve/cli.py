@@ -134,6 +134,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-partial-prefills", type=int,
                    help="prompts a step may leave unfinished (2): short prompts share the "
                    "step with a long one instead of waiting for it; 1 = first come first served")
+    p.add_argument("--max-step-ms", type=float,
+                   help="a step's wall time at most (1000): each worker fits its token budget "
+                   "to this at its measured speed, so decodes beside a prompt chunk and prompts "
+                   "behind it never wait longer on a slow CPU; 0 = the token budget alone")
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--kv-failure-policy", choices=["recompute", "retry", "fail"],
                    help="a failed KV transfer: the decode worker recomputes (default), the "

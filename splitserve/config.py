@@ -31,6 +31,10 @@ class SchedulerConfig:
     # prompts never share). 1 = first come, first served (prompts that finish within the
     # step still join).
     max_num_partial_prefills: int = 2
+    # A step's wall time, at most (engine/step_budget.py): its token budget is also what
+    # the engine's measured speed fits in this; running decodes always get their token.
+    # None: the token budget alone.
+    max_step_ms: float | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -43,6 +47,9 @@ class SchedulerConfig:
         if self.max_num_partial_prefills <= 0:
             raise ValueError(
                 f"max_num_partial_prefills={self.max_num_partial_prefills} must be positive")
+        if self.max_step_ms is not None and not (math.isfinite(self.max_step_ms)
+                                                 and self.max_step_ms > 0):
+            raise ValueError(f"max_step_ms={self.max_step_ms} must be positive (or None)")
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,10 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_num_partial_prefills: int = 2
+    # A step's wall time at most, at the worker's measured speed (a slow CPU's 512-token
+    # chunk can take seconds: decodes beside it and prompts behind it wait that long).
+    # None or 0: the token budget alone.
+    max_step_ms: float | None = 1000.0
     kv_cache_memory_bytes: int = 1 << 30
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -291,6 +302,9 @@ class ServeConfig:
                                           and self.mode in ("disagg", "auto")):
             raise ValueError("--planner needs --slo-ttft-ms, --slo-tpot-ms and --mode disagg "
                              "(it may still run the cluster with no prefill pool)")
+        if self.max_step_ms is not None and not (math.isfinite(self.max_step_ms)
+                                                 and self.max_step_ms >= 0):
+            raise ValueError(f"max_step_ms={self.max_step_ms} must be >= 0 (0: off)")
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"runtime={self.runtime!r} must be 'local' or 'ray'")
         if self.runtime == "ray" and self.kv_transport != "tcp":
@@ -322,6 +336,7 @@ class ServeConfig:
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_num_partial_prefills": self.max_num_partial_prefills,
+                "max_step_ms": self.max_step_ms or None,
                 "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
 
 

@@ -62,6 +62,24 @@ def test_serve_config_reads_yaml_and_flags_override(tmp_path: object) -> None:
         serve_config(argparse.Namespace(config=None, mode="weird"))
 
 
+def test_every_worker_gets_the_step_time_budget_unless_it_is_off() -> None:
+    import argparse
+
+    import pytest
+
+    from splitserve.cli import add_serve_args, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve_config(parser.parse_args([])).engine_args()["max_step_ms"] == 1000.0
+    cfg = serve_config(parser.parse_args(["--max-step-ms", "250"]))
+    assert cfg.engine_args()["max_step_ms"] == 250.0
+    assert serve_config(parser.parse_args(["--max-step-ms", "0"])).engine_args()[
+        "max_step_ms"] is None
+    with pytest.raises(ValueError, match="max_step_ms"):
+        serve_config(parser.parse_args(["--max-step-ms", "-5"]))
+
+
 def test_serve_config_http_edge_flags_env_and_yaml(tmp_path: object, monkeypatch) -> None:
     import argparse
     from pathlib import Path

@@ -214,6 +214,7 @@ class LLMEngine(KVConnector):
         except Exception as exc:
             raise self._fail_step(batch, exc) from exc
         self.last_step = _step_stats(batch, time.perf_counter() - start)
+        self.scheduler.observe_step(batch.num_tokens, self.last_step.seconds)
         return outputs
 
     def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> StepFailed:

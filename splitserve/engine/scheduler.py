@@ -10,8 +10,9 @@ prompts end the step unfinished, and only if it fits the step or is shorter than
 in prefill: sharing is shortest-first at heart, so a queue of equal prompts is still
 served first come, first served (sharing them would delay them all). When blocks run
 out the newest running request is preempted and will recompute. Prefix hits and imported
-KV just start a request with some tokens already computed. Chunk boundaries never change
-results (batch-invariant kernels).
+KV just start a request with some tokens already computed. With `max_step_ms` the budget
+is also what the measured speed fits in that time (engine/step_budget.py). Chunk
+boundaries never change results (batch-invariant kernels).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from itertools import islice
 from splitserve.config import SchedulerConfig
 from splitserve.engine.batch import RunnerOutput, SampleSpec, ScheduledBatch, ScheduledSeq
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.step_budget import StepBudget
 from splitserve.kv_cache import BlockHash, KVCacheManager
 
 # Brings a request's prefix up from the tiers below the pool (engine/kv_tiers.py):
@@ -59,6 +61,8 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.promote: Promote | None = None  # set when the engine has tiers below its pool
+        self.step_budget = (None if config.max_step_ms is None else
+                            StepBudget(config.max_step_ms / 1000, config.max_num_batched_tokens))
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -97,6 +101,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        if self.step_budget is not None:
+            num_decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+            budget = self.step_budget.tokens(num_decodes)
         self.reserve_import_blocks()
         shares = self._prefill_shares(budget)
         i = 0
@@ -139,6 +146,11 @@ class Scheduler:
             batch.seqs.append(self._scheduled_seq(req, num_new))
             budget -= num_new
         return batch
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A finished step's size and wall time (feeds the time budget, if any)."""
+        if self.step_budget is not None:
+            self.step_budget.observe(num_tokens, seconds)
 
     def _prefill_shares(self, budget: int) -> dict[str, int]:
         """This step's tokens for each prompt in prefill (request id -> tokens; decodes are

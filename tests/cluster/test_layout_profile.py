@@ -78,7 +78,7 @@ def test_the_cpu_key_tells_apart_one_model_with_other_isas(tmp_path: Path) -> No
     assert wide == "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16)"
     assert narrow == "AMD EPYC (family 25 model 17; avx2 fma)"
     assert profile.cpu_model(str(tmp_path / "missing")) != ""  # the platform's answer
-    key = profile.ProfileKey("f", "bfloat16", True, 1, wide, 512)
+    key = profile.ProfileKey("f", "bfloat16", True, 1, wide, 512, None)
     assert key.cache_id != replace(key, cpu_model=narrow).cache_id
 
 
@@ -100,7 +100,7 @@ def test_the_code_digest_follows_the_engine_sources(tmp_path: Path, monkeypatch)
 def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:
     path = tmp_path / "profiles.json"
     path.write_text("{not json")
-    key = profile.ProfileKey("f", "bfloat16", True, 1, "cpu", 512)
+    key = profile.ProfileKey("f", "bfloat16", True, 1, "cpu", 512, 1000.0)
     cache = ProfileCache(path)
     assert cache.load() == {} and cache.get(key) is None
     curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0))

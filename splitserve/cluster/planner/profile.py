@@ -6,8 +6,8 @@ file so that later starts on the same machine, model and settings measure nothin
 
 A cache entry is keyed by what decides the timings: the model fingerprint (weights, KV
 dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU (model and
-the ISA it exposes) and the prefill chunk (max_num_batched_tokens). The key is derived here the way the engine
-derives its fingerprint, and the child checks that its engine agrees, so a key can never
+the ISA it exposes) and the prefill chunk (max_num_batched_tokens, max_step_ms). The key
+is derived here the way the engine derives its fingerprint, and the child checks that its engine agrees, so a key can never
 hold another engine's curves.
 """
 from __future__ import annotations
@@ -69,6 +69,7 @@ class ProfileKey:
     threads: int
     cpu_model: str
     max_num_batched_tokens: int
+    max_step_ms: float | None
     # Digest of the engine's and the model's code (engine_code_digest): a faster kernel
     # or runner measures again instead of reusing the old code's curves.
     code: str = ""
@@ -154,7 +155,8 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
     fingerprint = model_fingerprint(ckpt.spec, kv_dtype, config.cache.block_size, digest,
                                     kernels=EXACT_KERNELS if invariant else "default")
     return ProfileKey(fingerprint, kv_dtype, invariant, threads, cpu_model(),
-                      config.scheduler.max_num_batched_tokens, engine_code_digest())
+                      config.scheduler.max_num_batched_tokens, config.scheduler.max_step_ms,
+                      engine_code_digest())
 
 
 def fit_curves(prefill: Sequence[tuple[int, float]],
