@@ -7,8 +7,8 @@ file so that later starts on the same machine, model and settings measure nothin
 A cache entry is keyed by what decides the timings: the model fingerprint (weights, KV
 dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU (model and
 the ISA it exposes) and the prefill chunk (max_num_batched_tokens, max_step_ms). The key
-is derived here the way the engine derives its fingerprint, and the child checks that its engine agrees, so a key can never
-hold another engine's curves.
+is derived here the way the engine derives its fingerprint, and the child checks that its
+engine agrees, so a key can never hold another engine's curves.
 """
 from __future__ import annotations
 
