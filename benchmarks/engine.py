@@ -86,8 +86,10 @@ def dtype_label(dtype: torch.dtype) -> str:
 
 def make_engine(args: argparse.Namespace, quantization: str | None = None,
                 batch_invariant: bool | None = None) -> LLMEngine:
+    # The CPU engine, also on a machine with a GPU: the bounds are this CPU's GEMM and DRAM.
     return LLMEngine(EngineConfig.from_kwargs(
-        args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
+        args.model, dtype=args.dtype, device="cpu", num_threads=args.threads,
+        enable_prefix_caching=False,
         quantization=quantization, batch_invariant=batch_invariant,
         max_num_batched_tokens=max(PREFILL_LEN, BATCH * DECODE_PROMPT_LEN),
         max_num_seqs=max(64, BATCH)))
