@@ -55,10 +55,12 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 os.sched_setaffinity(0, {cores!r})
 from benchmarks.serving import prompt_ids, OUTPUT_TOKENS
-from splitserve.config import EngineConfig
+from splitserve.config import EngineConfig, ServeConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
-engine = LLMEngine(EngineConfig.from_kwargs(num_threads={threads}, max_model_len=2048))
+# Scheduled as a served worker is (serve's step time budget too).
+engine = LLMEngine(EngineConfig.from_kwargs(num_threads={threads}, max_model_len=2048,
+                                            max_step_ms=ServeConfig().max_step_ms))
 params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
 print("ready", flush=True)
 for line in sys.stdin:
