@@ -1,6 +1,8 @@
 """Head-of-line blocking in chunked prefill: the TTFT of short prompts that arrive while a
 long one is being prefilled, at `max_num_partial_prefills` 1 (first come, first served:
-vLLM-v1's schedule and ours before 2026-11-25), 2 (the default) and 4.
+vLLM-v1's schedule and ours before 2026-11-25), 2 (the default) and 4, and at 2 with
+`max_step_ms` 1000 (what `splitserve serve` runs: no step longer than a second at the
+engine's measured speed, so a prompt arriving mid-step waits less on a slow CPU).
 
     python benchmarks/prefill_sharing.py          # ~5 min on 2 cores (AVX2), writes docs/benchmarks.md
     python benchmarks/prefill_sharing.py --quick  # short prompts, no doc
@@ -33,7 +35,8 @@ from splitserve.config import EngineConfig  # noqa: E402
 from splitserve.engine.engine import LLMEngine  # noqa: E402
 from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
 
-SETTINGS = (1, 2, 4)
+# (max_num_partial_prefills, max_step_ms)
+SETTINGS: tuple[tuple[int, float | None], ...] = ((1, None), (2, None), (4, None), (2, 1000.0))
 # (name, prompt tokens, arrival s after the first)
 SCENARIO = (("long", 4071, 0.0), ("short-1", 589, 1.0), ("short-2", 395, 2.0),
             ("short-3", 709, 3.0))
@@ -65,6 +68,12 @@ def run_once(engine: LLMEngine, prompts: dict[str, list[int]],
     return ttft, tokens, time.perf_counter() - start
 
 
+def label(setting: tuple[int, float | None]) -> str:
+    n, ms = setting
+    text = f"max_num_partial_prefills {n}" + (" (FCFS)" if n == 1 else "")
+    return text + (f", max_step_ms {ms:g} (serve's default)" if ms is not None else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -73,39 +82,40 @@ def main() -> int:
     args = ap.parse_args()
     scenario = QUICK if args.quick else SCENARIO
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core: a prefill worker's
-    engines = {n: LLMEngine(EngineConfig.from_kwargs(num_threads=1, max_num_partial_prefills=n,
-                                                     enable_prefix_caching=False))
-               for n in SETTINGS}
+    engines = {(n, ms): LLMEngine(EngineConfig.from_kwargs(
+        num_threads=1, max_num_partial_prefills=n, max_step_ms=ms, enable_prefix_caching=False))
+        for n, ms in SETTINGS}
     rng = random.Random(0)
     vocab = next(iter(engines.values())).spec.vocab_size
     prompts = {name: [rng.randrange(256, vocab) for _ in range(n)] for name, n, _ in scenario}
     load = other_cpu_load()
-    results: dict[int, list[tuple[dict[str, float], float]]] = {n: [] for n in SETTINGS}
+    results: dict[tuple[int, float | None], list[tuple[dict[str, float], float]]] = {
+        setting: [] for setting in SETTINGS}
     reference: dict[str, list[int]] | None = None
-    run_once(engines[1], {k: v[:64] for k, v in prompts.items()}, QUICK)  # warm-up
+    for engine in engines.values():  # warm-up (and a time budget's first measured steps)
+        run_once(engine, {k: v[:64] for k, v in prompts.items()}, QUICK)
     for r in range(args.rounds):
-        for n in SETTINGS if r % 2 == 0 else reversed(SETTINGS):
-            ttft, tokens, makespan = run_once(engines[n], prompts, scenario)
+        for setting in SETTINGS if r % 2 == 0 else reversed(SETTINGS):
+            ttft, tokens, makespan = run_once(engines[setting], prompts, scenario)
             reference = reference or tokens
             if tokens != reference:
-                raise SystemExit(f"max_num_partial_prefills={n} changed an output: "
+                raise SystemExit(f"{label(setting)} changed an output: "
                                  f"{tokens} vs {reference}")
-            results[n].append((ttft, makespan))
-            print(f"round {r} partial {n}: " + ", ".join(
+            results[setting].append((ttft, makespan))
+            print(f"round {r} {label(setting)}: " + ", ".join(
                 f"{k} {v:.1f}s" for k, v in ttft.items()) + f"; all done {makespan:.1f}s",
                 flush=True)
     names = [name for name, _, _ in scenario]
     shorts = [name for name in names if name != "long"]
-    base = median(max(t[s] for s in shorts) for t, _ in results[1])
+    base = median(max(t[s] for s in shorts) for t, _ in results[SETTINGS[0]])
     rows = []
-    for n in SETTINGS:
-        per = {name: median(t[name] for t, _ in results[n]) for name in names}
-        worst = median(max(t[s] for s in shorts) for t, _ in results[n])
-        rows.append([f"{n}" + (" (FCFS)" if n == 1 else " (default)" if n == 2 else ""),
-                     *(f"{per[name]:.1f}" for name in names),
+    for setting in SETTINGS:
+        per = {name: median(t[name] for t, _ in results[setting]) for name in names}
+        worst = median(max(t[s] for s in shorts) for t, _ in results[setting])
+        rows.append([label(setting), *(f"{per[name]:.1f}" for name in names),
                      f"{worst:.1f} ({worst / base:.2f}x)",
-                     f"{median(m for _, m in results[n]):.1f}"])
-    header = ["max_num_partial_prefills",
+                     f"{median(m for _, m in results[setting]):.1f}"])
+    header = ["setting",
               *(f"{name} ({n} tok) TTFT s" for name, n, _ in scenario),
               "worst short TTFT s (vs FCFS)", "all done s"]
     body = "\n".join([
