@@ -63,6 +63,15 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     assert ProfileCache(path).get(replace(key, code="0" * 16)) is None
 
 
+def test_a_small_step_time_budget_still_measures_whole_decode_batches() -> None:
+    """1 ms fits no prompt: each step admits 16 prompt tokens, so a batch of 32 prompts
+    joins over 32 steps; the first ones must still be decoding when the last arrives."""
+    plan = replace(SHORT, decode_batches=(1, 8, 32))
+    [curves] = measure_curves({**ARGS, "max_step_ms": 1.0}, [1], plan=plan).values()
+    assert 0 < curves.decode(1) <= curves.decode(32) < 2
+    assert profile_key({**ARGS, "max_step_ms": 1.0}, 1) != profile_key(ARGS, 1)
+
+
 def test_the_cpu_key_tells_apart_one_model_with_other_isas(tmp_path: Path) -> None:
     """A Zen 4 VM with its AVX-512 hidden is named like one that shows it, and runs the
     exact kernels' AVX2 path at a fraction of the speed: another key."""
