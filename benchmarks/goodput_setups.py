@@ -73,7 +73,9 @@ def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None,
     if setup.takes_hint and hint is not None:
         flags += ["--workload-hint", hint]
     print(f"  starting {setup.name}: splitserve serve {' '.join(flags)}", flush=True)
-    process = ServerProcess(*flags)
+    # A first start may build the exact kernels and measure --mode auto's profile (minutes
+    # on a slow CPU); both are cached afterwards.
+    process = ServerProcess(*flags, ready_timeout_s=1200.0)
     try:
         yield process.url
     finally:
