@@ -72,8 +72,9 @@ CLUSTER_ALLOWED = {
     "runtime": {"worker", "protocol", "auth"},
     "frontend": {"protocol", "router", "auth"},
     "planner": {"protocol", "router"},  # pure sizing logic + its actuator (through Pools)
+    "specs": {"auth", "protocol", "runtime", "worker"},  # the launcher's worker specs
     "launcher": {"codec", "protocol", "auth", "router", "frontend", "worker", "runtime",
-                 "planner"},
+                 "planner", "specs"},
     "__init__": set(),
 }
 

@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.cluster import launcher as launcher_mod
-from splitserve.cluster.launcher import Cluster, worker_specs
+from splitserve.cluster.launcher import Cluster
+from splitserve.cluster.specs import worker_specs
 from splitserve.cluster.planner import layout as layout_mod
 from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
                                                     router_tpot_slo_s)

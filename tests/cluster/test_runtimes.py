@@ -54,8 +54,9 @@ def test_workers_the_planner_adds_do_not_oversubscribe_the_cores() -> None:
     and a worker added onto cores others use gets what they leave (at least one)."""
     import os
 
-    from splitserve.cluster.launcher import Cluster, worker_specs
+    from splitserve.cluster.launcher import Cluster
     from splitserve.cluster.runtime import WorkerHandle
+    from splitserve.cluster.specs import worker_specs
     cores = len(os.sched_getaffinity(0))
     config = ServeConfig(mode="disagg", prefill=0, decode=1, planner="on",
                          planner_max_workers=cores, slo_ttft_ms=1000, slo_tpot_ms=100)

@@ -11,13 +11,19 @@ batch, chunk, thread count, and on AVX2 and AVX-512 BF16 machines alike.
 The C++ is compiled once per machine on first use (torch.utils.cpp_extension: g++ and
 ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
 `SPLITSERVE_CPU_ISA=avx2|avx512_bf16` caps the ISA the kernels use (tests run both).
+Processes that start together build once: the others wait for the builder (at most
+`BUILD_DEADLINE_S`), and a build killed half-way never blocks the next start (`_build_lock`).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +39,8 @@ ISAS = {"avx2": 1, "avx512_bf16": 2}
 # Part of the model fingerprint: bump when any kernel's arithmetic changes.
 EXACT_KERNELS = "exact/v1"
 _LANES = 16  # columns per packed weight block (one 16-lane fp32 accumulator)
+_SRC = Path(__file__).parent / "csrc"
+BUILD_DEADLINE_S = 900.0  # longest wait for another process's build (~1-3 min)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -52,26 +60,60 @@ def load() -> ModuleType:
     with _lock:
         if _module is None:
             from torch.utils import cpp_extension
-            src = Path(__file__).parent / "csrc"
-            # The name carries a digest of every source and header: a change rebuilds.
-            files = sorted([*src.glob("*.cpp"), *src.glob("*.h")])
-            digest = hashlib.blake2b(b"".join(f.read_bytes() for f in files),
-                                     digest_size=6).hexdigest()
+            build_dir = build_directory()
             logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
-            _module = cpp_extension.load(
-                name=f"splitserve_exact_{digest}",
-                sources=[str(src / name) for name in ("exact.cpp", "attention.cpp",
-                                                          "layers.cpp", "rope.cpp",
-                                                          "decoder.cpp")],
-                # no implicit FMA contraction: every rounding is the one written
-                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+            with _build_lock(build_dir, BUILD_DEADLINE_S):
+                _module = cpp_extension.load(
+                    name=build_dir.name, build_directory=str(build_dir),
+                    sources=[str(_SRC / f) for f in ("exact.cpp", "attention.cpp",
+                                                     "layers.cpp", "rope.cpp", "decoder.cpp")],
+                    # no implicit FMA contraction: every rounding is the one written
+                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
             cap = os.environ.get("SPLITSERVE_CPU_ISA")
             if cap:
                 if cap not in ISAS:
                     raise ValueError(f"SPLITSERVE_CPU_ISA={cap!r}; use one of {sorted(ISAS)}")
                 _module.set_isa(ISAS[cap])
         return _module
+
+
+def build_directory() -> Path:
+    """Where the kernels are built and cached: torch's extension directory, under a name
+    that carries a digest of every source and header (a change rebuilds)."""
+    from torch.utils import cpp_extension
+    files = sorted([*_SRC.glob("*.cpp"), *_SRC.glob("*.h")])
+    digest = hashlib.blake2b(b"".join(f.read_bytes() for f in files), digest_size=6).hexdigest()
+    return Path(cpp_extension._get_build_directory(f"splitserve_exact_{digest}", False))
+
+
+@contextmanager
+def _build_lock(build_dir: Path, deadline_s: float) -> Iterator[None]:
+    """Held while the kernels build or load: an flock on `splitserve.lock`, which the OS
+    releases when its holder dies. torch's own `lock` file is not (a build killed half-way
+    leaves it, and torch then waits for it forever), so under this lock a `lock` file can
+    only be such a leftover, and is removed. TimeoutError after `deadline_s` of waiting."""
+    with open(build_dir / "splitserve.lock", "a") as f:
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    raise TimeoutError(
+                        f"another process has been building the exact kernels in {build_dir} "
+                        f"for over {deadline_s:g} s (the one holding splitserve.lock there); "
+                        "let it finish or stop it, then start again") from None
+                time.sleep(0.1)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def isa_name() -> str:
