@@ -1,8 +1,9 @@
 """Sampling as free functions over fp32 logits.
 
-Randomness is a pure function of (request seed, output position): the noise for a token
-comes from a CPU generator seeded with mix(seed, position), so any engine holding the same
-logits picks the same token (this is what makes disaggregated and migrated decoding exact).
+Randomness is a pure function of (request seed, output position): the uniform draw for a
+token comes from a CPU generator seeded with mix(seed, position), so any engine holding the
+same logits picks the same token (this is what makes disaggregated and migrated decoding
+exact).
 """
 from __future__ import annotations
 
@@ -60,9 +61,19 @@ def sample_one(logits: torch.Tensor, spec: SampleSpec) -> int:
     probs = torch.softmax(logits / p.temperature, dim=-1)
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
     gen = torch.Generator(device="cpu").manual_seed(position_seed(spec.seed, spec.output_pos))
-    # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1), is a draw from p.
-    noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(generator=gen)
-    return int((probs.cpu() / noise).argmax())
+    return inverse_cdf(probs, float(torch.rand((), generator=gen, dtype=torch.float64)))
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative mass exceeds u * total, for u in [0, 1): a draw
+    from `probs` [vocab] (not normalized). The sums run in fp64 in token order (the same
+    on every machine); a token of zero probability adds nothing, so it is never the first
+    to exceed."""
+    cdf = probs.to("cpu", torch.float64).cumsum(-1)  # [vocab]
+    token_id = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
+    if token_id == cdf.numel():  # u * total rounded up to total: the last token with mass
+        token_id = int(probs.nonzero()[-1])
+    return token_id
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:

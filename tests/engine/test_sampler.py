@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from splitserve.engine.batch import SampleSpec
-from splitserve.engine.sampler import apply_penalties, filter_probs, position_seed, sample
+from splitserve.engine.sampler import (apply_penalties, filter_probs, inverse_cdf,
+                                       position_seed, sample)
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError
 
@@ -64,6 +65,33 @@ def test_sampling_follows_the_distribution() -> None:
         counts[sample(logits, [spec(p, seed=i)])[0].token_id] += 1
     assert counts[0] / 2000 == pytest.approx(0.7, abs=0.05)
     assert counts[2] / 2000 == pytest.approx(0.1, abs=0.03)
+
+
+def test_sampling_follows_a_wide_distribution() -> None:
+    """Pearson's chi-square over 50 tokens (the 99.9% quantile at 49 degrees of freedom is
+    85.4) and top-k: the tokens it removes are never drawn."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50) * 1.5
+    probs = torch.softmax(logits[0], -1)
+    n = 6000
+    counts = torch.zeros(50)
+    for i in range(n):
+        counts[sample(logits, [spec(SamplingParams(temperature=1.0), seed=i)])[0].token_id] += 1
+    expected = probs * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 85.4
+    top = set(torch.topk(probs, 5).indices.tolist())
+    drawn = {sample(logits, [spec(SamplingParams(temperature=1.0, top_k=5), seed=i)])[0]
+             .token_id for i in range(500)}
+    assert drawn <= top and len(drawn) > 1
+
+
+def test_the_inverse_cdf_at_both_ends_of_the_unit_interval() -> None:
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
+    assert inverse_cdf(probs, 0.0) == 1  # never the zero-mass token before it
+    assert inverse_cdf(probs, 0.25 - 1e-12) == 1
+    assert inverse_cdf(probs, 0.25) == 3
+    assert inverse_cdf(probs, 1.0 - 2.0 ** -53) == 3  # never a zero-mass token after it
+    assert inverse_cdf(probs * 4, 0.5) == 3  # not normalized: u is a share of the total
 
 
 def test_logprobs_are_raw_model_logprobs() -> None:
