@@ -63,6 +63,9 @@ class FailureKind(str, Enum):
     WORKER_ERROR = "worker_error"  # anything else a worker raised for this request
     WORKER_DEAD = "worker_dead"  # the worker exited, went silent or was replaced
     BAD_OUTPUT = "bad_output"  # a worker broke the stream's positions contract
+    # A worker sent other tokens at positions already streamed (outputs that depend on
+    # batching: not the exact kernels): retried from the streamed ones.
+    DIVERGED = "diverged"
     TIMEOUT_QUEUE = "timeout_queue"
     TIMEOUT_PREFILL = "timeout_prefill"  # no first token in time
     TIMEOUT_HANDOFF = "timeout_handoff"  # token 1 came, the decode worker never went on

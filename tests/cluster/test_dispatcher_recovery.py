@@ -254,3 +254,32 @@ def test_the_decode_workers_token_2_may_come_before_the_prefill_workers_token_1(
         assert "".join(x.text for x in deltas) == "xyz"
         assert b"splitserve_failures_total{" not in d.metrics_text()
     run(scenario, policy="always")
+
+
+def test_a_decode_worker_that_recomputes_another_token_1_is_retried_from_the_streamed_one(
+        ) -> None:
+    """Where outputs depend on batching (oneDNN or CUDA kernels), a decode worker that
+    prefilled locally after a failed import may sample another token 1 than the prefill
+    worker streamed. The client keeps the streamed one; the attempt is retried from it."""
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        p, dec = await workers(d, ctx, "prefill", "decode")
+        task = asyncio.create_task(collect(d.generate(request())))
+        await dec.expect(P.Generate)
+        await p.expect(P.Prefill)
+        await p.send(output("r1", 0, [5], 0, "x"))
+        await until(lambda: d.flights["r1"].merger.num_tokens == 1)
+        await dec.send(output("r1", 0, [6, 9], 0, "yz"))  # recomputed: 6, not the streamed 5
+        assert (await dec.expect(P.Abort)).request_id == "r1"
+        retry = await dec.expect(P.Generate)
+        assert retry.request_id == "r1#1" and retry.resume_token_ids == [5]
+        if retry.await_kv:  # prefilled remotely again: P streams its token after 5
+            await p.expect(P.Prefill)
+            await p.send(output("r1#1", 0, [5, 6], 0, "xy"))
+            await dec.send(output("r1#1", 2, [7], 2, "z", finished=True))
+        else:
+            await dec.send(output("r1#1", 0, [5, 6, 7], 0, "xyz", finished=True))
+        deltas = await task
+        assert [t for x in deltas for t in x.token_ids] == [5, 6, 7]
+        assert "".join(x.text for x in deltas) == "xyz"
+        assert b'kind="diverged"' in d.metrics_text()
+    run(scenario, policy="always")

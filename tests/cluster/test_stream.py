@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster.protocol import Output
-from splitserve.cluster.frontend.stream import StreamMerger
+from splitserve.cluster.frontend.stream import DivergedOutput, StreamMerger
 from splitserve.engine.batch import SampledToken
 
 
@@ -55,3 +55,12 @@ def test_logprobs_merge_by_position() -> None:
     d2 = m.merge(out(0, [1, 2], 0, "ab", lp_off=1, lps=[-0.2]))
     assert d1 is not None and [t.logprob for t in d1.logprobs or []] == [-0.1]
     assert d2 is not None and [t.logprob for t in d2.logprobs or []] == [-0.2]
+
+
+def test_other_tokens_at_streamed_positions_are_a_divergence() -> None:
+    m = StreamMerger()
+    m.merge(out(0, [11], 0, "He"))
+    with pytest.raises(DivergedOutput, match="not the streamed"):
+        m.merge(out(0, [12, 13], 0, "Yo!"))
+    assert m.token_ids == [11] and m.num_tokens == 1 and m.num_chars == 2  # unchanged
+    assert m.merge(out(0, [11, 13], 0, "He!")) is not None  # the same token 1 goes on

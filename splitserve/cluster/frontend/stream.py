@@ -50,6 +50,12 @@ class StreamDelta:
     num_output_tokens: int  # cumulative, after this delta
 
 
+class DivergedOutput(ValueError):
+    """An output's tokens at positions already streamed differ from the streamed ones (a
+    recomputed token 1 where outputs depend on batching: oneDNN or CUDA kernels, not the
+    exact ones). The stream keeps the streamed tokens; the attempt is retried from them."""
+
+
 @dataclass(slots=True)
 class StreamMerger:
     """Merges positioned worker outputs into deltas with each position exactly once."""
@@ -71,6 +77,12 @@ class StreamMerger:
             raise ValueError(f"output starts at token {out.token_offset} / char "
                              f"{out.text_offset}, past the stream's {self.num_tokens} / "
                              f"{self.num_chars}: a gap")
+        repeated = self.token_ids[out.token_offset:out.token_offset + len(out.token_ids)]
+        if out.token_ids[:len(repeated)] != repeated:
+            raise DivergedOutput(
+                f"output repeats token positions {out.token_offset}-"
+                f"{out.token_offset + len(repeated) - 1} with {out.token_ids[:len(repeated)]}, "
+                f"not the streamed {repeated}")
         new_tokens = out.token_ids[self.num_tokens - out.token_offset:]
         new_text = out.text[self.num_chars - out.text_offset:]
         new_logprobs = None

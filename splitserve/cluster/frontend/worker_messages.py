@@ -16,6 +16,7 @@ from splitserve.cluster.frontend.migration import Migrations
 from splitserve.cluster.frontend.peer_fetch import PeerFetches
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster.frontend.routing import Routing
+from splitserve.cluster.frontend.stream import DivergedOutput
 from splitserve.cluster.frontend.worker_table import WorkerInfo, WorkerTable
 from splitserve.cluster.frontend.workers import Workers
 from splitserve.cluster.protocol import FailureKind
@@ -141,6 +142,10 @@ class WorkerMessages:
         self.routing.check_hit(flight, worker, msg.num_cached_tokens)
         try:
             delta = flight.merger.merge(msg)
+        except DivergedOutput as exc:  # retried from the tokens the client has
+            self.fail_attempt(flight, FailureKind.DIVERGED,
+                              WorkerFailed(f"{worker.worker_id}: {exc}"))
+            return
         except ValueError as exc:  # a worker broke the positions contract: never guess
             self.fail_attempt(flight, FailureKind.BAD_OUTPUT,
                               WorkerFailed(f"{worker.worker_id}: {exc}"))
