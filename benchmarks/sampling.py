@@ -70,8 +70,7 @@ def step_times(engine: LLMEngine, batch: int, temperature: float, steps: int) ->
     ids = [f"b{batch}-t{temperature}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, [1] + [100 + i] * 31, params)
-    while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.load().num_waiting or engine.load().num_prefilling:
         engine.step()
     times = []
     for _ in range(steps + 2):
