@@ -43,6 +43,9 @@ def test_linear_is_the_specified_fold_on_every_isa(ops, isas: list[int], k: int,
     for isa in isas:
         ops.set_isa(isa)
         assert torch.equal(exact(x), want), f"isa level {isa}"
+        # up to 6 rows (decode) take another split over threads: the same fold
+        for rows in (1, 4):
+            assert torch.equal(exact(x[:rows]), want[:rows]), (isa, rows)
 
 
 def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops, isas: list[int]) -> None:
@@ -56,7 +59,7 @@ def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops, isas: list[int]) 
         want = exact(x)
         for isa in isas:
             ops.set_isa(isa)
-            for num_threads in (1, 2):
+            for num_threads in (1, 2, 3):  # 3: uneven shares of the column blocks
                 torch.set_num_threads(num_threads)
                 for rows in (1, 2, 3, 5, 6, 7, 31, 61, 64, 65, 130):
                     assert torch.equal(exact(x[:rows]), want[:rows]), (isa, num_threads, rows)

@@ -36,6 +36,7 @@ using namespace exact;
 constexpr int kLanes = 16;      // fp32 lanes of one accumulator (one zmm, two ymm)
 constexpr int kMaxRows = 6;     // rows of x per micro-kernel
 constexpr int kMaxBlocks = 4;   // 16-column blocks of w per micro-kernel
+constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the AVX2 path streams weights
 
 enum Isa : int { kAvx2 = 1, kAvx512Bf16 = 2 };
 
@@ -100,7 +101,7 @@ AVX2_TARGET inline void load_w256(const int8_t* w, __m256& odd, __m256& even) {
 template <int MR, int NB, typename W>
 AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
                                 int64_t pair_stride, const float* scale, const float* bias,
-                                bf16_t* y, int64_t ldy, int64_t n_valid) {
+                                bf16_t* y, int64_t ldy, int64_t n_valid, bool /*stream*/) {
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -134,12 +135,35 @@ AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W
 template <int MR, int NB, typename W>
 AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
                             int64_t pair_stride, const float* scale, const float* bias,
-                            bf16_t* y, int64_t ldy, int64_t n_valid) {
+                            bf16_t* y, int64_t ldy, int64_t n_valid, bool stream) {
   __m256 acc[MR][NB][2];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
+  constexpr int64_t kRunBytes = NB * 2 * kLanes * (int64_t)sizeof(W);  // read per k pair
   for (int64_t p = 0; p < KP; ++p) {
+    if (stream) {  // each weight is read once, from DRAM: fetch it ahead, past the caches
+      const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes;
+      for (int64_t b = 0; b < kRunBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_NTA);
+    }
+    if constexpr (MR == 1) {
+      // No row reuses a weight: widen and multiply one block at a time, so the 8
+      // accumulators stay in registers (loading all 16 widened halves first spilled them).
+      const __m256i pair = _mm256_set1_epi32((int)load_pair(x + 2 * p, p < full_pairs));
+      const __m256 ao = _mm256_castsi256_ps(
+          _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
+      const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+#pragma GCC unroll 8
+      for (int c = 0; c < NB; ++c)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256 odd, even;
+          load_w256(w + p * pair_stride + c * 2 * kLanes + h * kLanes, odd, even);
+          acc[0][c][h] = _mm256_fmadd_ps(ao, odd, acc[0][c][h]);
+          acc[0][c][h] = _mm256_fmadd_ps(ae, even, acc[0][c][h]);
+        }
+      continue;
+    }
     __m256 bo[NB][2], be[NB][2];
     for (int c = 0; c < NB; ++c)
       for (int h = 0; h < 2; ++h)
@@ -180,7 +204,7 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
 // ---- dispatch over (rows, blocks) --------------------------------------------------------
 template <typename W>
 using MicroFn = void (*)(const bf16_t*, int64_t, int64_t, const W*, int64_t, const float*,
-                         const float*, bf16_t*, int64_t, int64_t);
+                         const float*, bf16_t*, int64_t, int64_t, bool);
 
 template <typename W>
 struct Table {
@@ -215,10 +239,12 @@ const Table<W>& table_for(int isa) {
 void widen_int8(const int8_t* q, bf16_t* out, int64_t n, int isa);
 
 // y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads over
-// (4-block column group, 60-row chunk) tasks: never a reduction. An int8 task of more than
-// one micro-kernel's rows first widens its group to bf16 (into a per-thread buffer that
-// stays in L2) and runs the bf16 micro-kernels on it: the same values, so the same bits,
-// with the widening paid once per 60 rows instead of once per 6.
+// (4-block column group, 60-row chunk) tasks: never a reduction. A task of at most one
+// micro-kernel's rows (decode) reads its weights once, so the AVX2 path prefetches them
+// (measured on AVX2 only; the AVX-512 path is as it was). An int8 task of more than one
+// micro-kernel's rows first widens its group to bf16 (into a per-thread buffer that stays
+// in L2) and runs the bf16 micro-kernels on it: the same values, so the same bits, with
+// the widening paid once per 60 rows instead of once per 6.
 template <typename W>
 void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
                 int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa) {
@@ -245,16 +271,17 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
         widen_int8(reinterpret_cast<const int8_t*>(w), widened.data(), nb * w_block, isa);
         w16 = widened.data();
       }
+      const bool stream = r_end - r0 <= kMaxRows;  // one pass over the group: prefetch it
       for (int64_t r = r0; r < r_end; r += kMaxRows) {
         const int mr = (int)std::min<int64_t>(kMaxRows, r_end - r);
         const float* sc = scale ? scale + n0 : nullptr;
         const float* bi = b ? b + n0 : nullptr;
         if (w16) {
           widened_table.fn[mr - 1][nb - 1](xp + r * K, K, K, w16, nb * 2 * kLanes, sc, bi,
-                                           yp + r * N + n0, N, n_valid);
+                                           yp + r * N + n0, N, n_valid, false);
         } else {
           table.fn[mr - 1][nb - 1](xp + r * K, K, K, w, nb * 2 * kLanes, sc, bi,
-                                   yp + r * N + n0, N, n_valid);
+                                   yp + r * N + n0, N, n_valid, stream);
         }
       }
     }
