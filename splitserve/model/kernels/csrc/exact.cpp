@@ -27,16 +27,12 @@
 #include <vector>
 
 #include "common.h"
+#include "linear_micro.h"
 #include "ops.h"
 
 namespace {
 
 using namespace exact;
-
-constexpr int kLanes = 16;      // fp32 lanes of one accumulator (one zmm, two ymm)
-constexpr int kMaxRows = 6;     // rows of x per micro-kernel
-constexpr int kMaxBlocks = 4;   // 16-column blocks of w per micro-kernel
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the AVX2 path streams weights
 
 enum Isa : int { kAvx2 = 1, kAvx512Bf16 = 2 };
 
@@ -55,150 +51,6 @@ int g_isa = -1;  // set by set_isa() or detected on first use
 int active_isa() {
   if (g_isa < 0) g_isa = detect_isa();
   return g_isa;
-}
-
-inline uint32_t load_pair(const bf16_t* p, bool full) {
-  // Two consecutive bf16 as one 32-bit word (element 2p low, 2p+1 high); the second is
-  // zero past an odd K, as the packed weights are.
-  uint32_t v = p[0];
-  if (full) std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// ---- weight operands ---------------------------------------------------------------------
-// Weights are bf16, or int8 (weight-only quantization: y = bf16(fold(x, q) * scale[j] (+ bias)),
-// the fold over the int8 values exactly as over bf16 ones: every int8 is a bf16, and each
-// product of a bf16 and an int8 is exact in fp32). One k pair of one 16-column block is 32
-// elements, [16][2] (element 2p low).
-
-// AVX-512: the 32 weights as bf16 pairs, VDPBF16PS's operand.
-AVX512_TARGET inline __m512bh load_w512(const bf16_t* w) {
-  return (__m512bh)_mm512_loadu_si512(w);
-}
-AVX512_TARGET inline __m512bh load_w512(const int8_t* w) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 127 has 7 significant bits
-}
-
-// AVX2: 8 columns of one k pair (16 elements) as fp32, element 2p+1 and element 2p.
-AVX2_TARGET inline void load_w256(const bf16_t* w, __m256& odd, __m256& even) {
-  const __m256i words = _mm256_loadu_si256((const __m256i*)w);
-  odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
-AVX2_TARGET inline void load_w256(const int8_t* w, __m256& odd, __m256& even) {
-  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w));
-  odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16));
-  even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16));
-}
-
-// ---- AVX-512 BF16 -----------------------------------------------------------------------
-// C[r, block c] for MR rows x NB 16-column blocks; w points at block 0 of the group,
-// the group is [KP][NB][16][2] (one contiguous stream: `pair_stride` = NB * 32 elements per
-// k pair). scale: int8 weights' per-column scales (nullptr for bf16 weights).
-template <int MR, int NB, typename W>
-AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
-                                int64_t pair_stride, const float* scale, const float* bias,
-                                bf16_t* y, int64_t ldy, int64_t n_valid, bool /*stream*/) {
-  __m512 acc[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
-  auto step = [&](int64_t p, bool full) AVX512_TARGET {
-    __m512bh b[NB];
-    for (int c = 0; c < NB; ++c) b[c] = load_w512(w + p * pair_stride + c * 2 * kLanes);
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * ldx + 2 * p, full));
-      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
-    }
-  };
-  for (int64_t p = 0; p < full_pairs; ++p) step(p, true);
-  if (KP > full_pairs) step(full_pairs, false);
-  for (int c = 0; c < NB; ++c) {
-    const int64_t n0 = c * kLanes;
-    const int64_t left = n_valid - n0;
-    if (left <= 0) break;
-    const __mmask16 m = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 sv = scale ? _mm512_maskz_loadu_ps(m, scale + n0) : _mm512_setzero_ps();
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
-      if (bias) v = _mm512_add_ps(v, bv);
-      _mm256_mask_storeu_epi16(y + r * ldy + n0, m, f32x16_to_bf16(v));
-    }
-  }
-}
-
-// ---- AVX2 + FMA: the same arithmetic, one FMA at a time ---------------------------------
-template <int MR, int NB, typename W>
-AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
-                            int64_t pair_stride, const float* scale, const float* bias,
-                            bf16_t* y, int64_t ldy, int64_t n_valid, bool stream) {
-  __m256 acc[MR][NB][2];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
-  constexpr int64_t kRunBytes = NB * 2 * kLanes * (int64_t)sizeof(W);  // read per k pair
-  for (int64_t p = 0; p < KP; ++p) {
-    if (stream) {  // each weight is read once, from DRAM: fetch it ahead, past the caches
-      const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes;
-      for (int64_t b = 0; b < kRunBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_NTA);
-    }
-    if constexpr (MR == 1) {
-      // No row reuses a weight: widen and multiply one block at a time, so the 8
-      // accumulators stay in registers (loading all 16 widened halves first spilled them).
-      const __m256i pair = _mm256_set1_epi32((int)load_pair(x + 2 * p, p < full_pairs));
-      const __m256 ao = _mm256_castsi256_ps(
-          _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
-      const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-#pragma GCC unroll 8
-      for (int c = 0; c < NB; ++c)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          __m256 odd, even;
-          load_w256(w + p * pair_stride + c * 2 * kLanes + h * kLanes, odd, even);
-          acc[0][c][h] = _mm256_fmadd_ps(ao, odd, acc[0][c][h]);
-          acc[0][c][h] = _mm256_fmadd_ps(ae, even, acc[0][c][h]);
-        }
-      continue;
-    }
-    __m256 bo[NB][2], be[NB][2];
-    for (int c = 0; c < NB; ++c)
-      for (int h = 0; h < 2; ++h)
-        load_w256(w + p * pair_stride + c * 2 * kLanes + h * kLanes, bo[c][h], be[c][h]);
-    for (int r = 0; r < MR; ++r) {
-      const __m256i pair = _mm256_set1_epi32((int)load_pair(x + r * ldx + 2 * p, p < full_pairs));
-      const __m256 ao = _mm256_castsi256_ps(
-          _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
-      const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-      for (int c = 0; c < NB; ++c)
-        for (int h = 0; h < 2; ++h) {
-          acc[r][c][h] = _mm256_fmadd_ps(ao, bo[c][h], acc[r][c][h]);
-          acc[r][c][h] = _mm256_fmadd_ps(ae, be[c][h], acc[r][c][h]);
-        }
-    }
-  }
-  for (int c = 0; c < NB; ++c)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n0 = c * kLanes + h * 8;
-      const int64_t left = n_valid - n0;
-      if (left <= 0) break;
-      const int64_t n = left < 8 ? left : 8;
-      alignas(32) float bias8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      alignas(32) float scale8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (bias) std::memcpy(bias8, bias + n0, sizeof(float) * n);
-      if (scale) std::memcpy(scale8, scale + n0, sizeof(float) * n);
-      const __m256 bv = _mm256_load_ps(bias8), sv = _mm256_load_ps(scale8);
-      for (int r = 0; r < MR; ++r) {
-        __m256 v = scale ? _mm256_mul_ps(acc[r][c][h], sv) : acc[r][c][h];
-        if (bias) v = _mm256_add_ps(v, bv);
-        alignas(16) bf16_t out[8];
-        _mm_store_si128((__m128i*)out, f32x8_to_bf16(v));
-        std::memcpy(y + r * ldy + n0, out, sizeof(bf16_t) * n);
-      }
-    }
 }
 
 // ---- dispatch over (rows, blocks) --------------------------------------------------------
@@ -236,15 +88,19 @@ const Table<W>& table_for(int isa) {
 }
 
 // int8 -> bf16, exact (|q| <= 127): a group's weights widened once for all its rows.
-void widen_int8(const int8_t* q, bf16_t* out, int64_t n, int isa);
+AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(out + i, (__m512i)load_w512(q + i));
+  for (; i < n; ++i) out[i] = (bf16_t)(__builtin_bit_cast(uint32_t, (float)q[i]) >> 16);
+}
 
 // y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads over
 // (4-block column group, 60-row chunk) tasks: never a reduction. A task of at most one
 // micro-kernel's rows (decode) reads its weights once, so the AVX2 path prefetches them
-// (measured on AVX2 only; the AVX-512 path is as it was). An int8 task of more than one
-// micro-kernel's rows first widens its group to bf16 (into a per-thread buffer that stays
-// in L2) and runs the bf16 micro-kernels on it: the same values, so the same bits, with
-// the widening paid once per 60 rows instead of once per 6.
+// (measured on AVX2 only; the AVX-512 path is as it was). A task of more rows first widens
+// its group once, into a per-thread buffer that stays in L2: to fp32 for the AVX2 panels
+// (linear_micro.h), and an int8 group to bf16 for the AVX-512 micro-kernels. The same
+// values, so the same bits, with the widening paid once per 60 rows instead of once per 6.
 template <typename W>
 void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
                 int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa) {
@@ -257,7 +113,8 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
   constexpr bool kWiden = std::is_same<W, int8_t>::value;
   at::parallel_for(0, groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
-    std::vector<bf16_t> widened;
+    std::vector<float> panel;  // AVX2: the group widened to fp32 (run_panels)
+    std::vector<bf16_t> widened;  // AVX-512: an int8 group widened to bf16
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / row_chunks, rc = task % row_chunks;
       const int64_t blk0 = g * kMaxBlocks;
@@ -265,40 +122,34 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
       const int64_t n0 = blk0 * kLanes, n_valid = std::min<int64_t>(N - n0, nb * kLanes);
       const int64_t r0 = rc * kRowChunk, r_end = std::min(M, r0 + kRowChunk);
       const W* w = wp + blk0 * w_block;
+      const float* sc = scale ? scale + n0 : nullptr;
+      const float* bi = b ? b + n0 : nullptr;
+      const bool one_pass = r_end - r0 <= kMaxRows;  // decode: each weight is read once
+      if (!one_pass && isa == kAvx2) {
+        panel.resize(nb * w_block);
+        widen_group(w, KP, nb, panel.data());
+        run_panels(xp + r0 * K, K, K, panel.data(), nb, sc, bi, yp + r0 * N + n0, N, n_valid,
+                   r_end - r0);
+        continue;
+      }
       const bf16_t* w16 = nullptr;
-      if (kWiden && r_end - r0 > kMaxRows) {
+      if (kWiden && !one_pass) {
         widened.resize(nb * w_block);
-        widen_int8(reinterpret_cast<const int8_t*>(w), widened.data(), nb * w_block, isa);
+        widen_int8_avx512(reinterpret_cast<const int8_t*>(w), widened.data(), nb * w_block);
         w16 = widened.data();
       }
-      const bool stream = r_end - r0 <= kMaxRows;  // one pass over the group: prefetch it
       for (int64_t r = r0; r < r_end; r += kMaxRows) {
         const int mr = (int)std::min<int64_t>(kMaxRows, r_end - r);
-        const float* sc = scale ? scale + n0 : nullptr;
-        const float* bi = b ? b + n0 : nullptr;
         if (w16) {
           widened_table.fn[mr - 1][nb - 1](xp + r * K, K, K, w16, nb * 2 * kLanes, sc, bi,
                                            yp + r * N + n0, N, n_valid, false);
         } else {
           table.fn[mr - 1][nb - 1](xp + r * K, K, K, w, nb * 2 * kLanes, sc, bi,
-                                   yp + r * N + n0, N, n_valid, stream);
+                                   yp + r * N + n0, N, n_valid, one_pass);
         }
       }
     }
   });
-}
-
-AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(out + i, (__m512i)load_w512(q + i));
-  for (; i < n; ++i) out[i] = (bf16_t)(__builtin_bit_cast(uint32_t, (float)q[i]) >> 16);
-}
-
-void widen_int8(const int8_t* q, bf16_t* out, int64_t n, int isa) {
-  if (isa == kAvx512Bf16) return widen_int8_avx512(q, out, n);
-  // an int8's float has at most 7 significant bits: its top 16 bits are its bf16
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = (bf16_t)(__builtin_bit_cast(uint32_t, (float)q[i]) >> 16);
 }
 
 void check_bf16(const at::Tensor& t, const char* name) {
