@@ -37,6 +37,8 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
         # `_thread_share`).
         available = len(os.sched_getaffinity(0))
         threads = max(1, available // (config.planner_max_workers or available))
+    # An idle worker's heartbeat: often enough that a few lost ones do not kill it.
+    heartbeat_s = min(1.0, config.deadlines.heartbeat_timeout_s / 4)
     specs = []
     for (role, n), pool_cores in zip(pools, cores):
         for index in range(n):
@@ -48,6 +50,7 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
                                     cpu_cores=pool_cores[index] or None,
                                     kv_transport=config.kv_transport,
                                     fault_injection=config.enable_fault_injection,
+                                    heartbeat_interval_s=heartbeat_s,
                                     store=store_options(config.store, f"{role.value}-{index}")))
     return specs
 

@@ -28,6 +28,9 @@ class WorkerSpec:
     # of exiting: Ray workers outlive the frontend; local ones die with it.
     outlive_frontend: bool = False
     report_interval_s: float = 0.1  # load reports, which double as heartbeats
+    # An idle worker's report repeats itself: it is sent only this often (the heartbeat;
+    # a fraction of the frontend's heartbeat deadline).
+    heartbeat_interval_s: float = 1.0
     fault_injection: bool = False  # accept InjectFault (tests, chaos, soak; worker/faults.py)
     # A send the frontend has not taken in this long (it is gone or stuck, and ZeroMQ's
     # queue is full) ends the worker instead of blocking its engine thread for good.

@@ -61,7 +61,7 @@ class Worker(RequestHandling):
         self.member = Membership(spec, secret)
         self.streams = {}
         self.reserving = {}
-        self.reports = Reports(spec.report_interval_s)
+        self.reports = Reports(spec.report_interval_s, spec.heartbeat_interval_s)
         self.stopping = False
         self.faults = FaultInjector(spec.fault_injection)
 
@@ -84,8 +84,10 @@ class Worker(RequestHandling):
                 self._output(out)
             self._publish_events()
             if self.reports.is_due():
-                self._send(self.reports.load_report(
-                    engine, self.receiver, self.store.usage() if self.store else []))
+                report = self.reports.load_report(
+                    engine, self.receiver, self.store.usage() if self.store else [])
+                if report is not None:
+                    self._send(report)
                 if os.getppid() != parent:  # the frontend died without stopping us
                     logger.warning("parent process is gone; exiting")
                     break
