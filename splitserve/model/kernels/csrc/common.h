@@ -146,4 +146,12 @@ AVX2_TARGET inline __m256 bf16x8_to_f32(const bf16_t* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+// fp32 -> bf16 -> fp32 (round to nearest even)
+AVX512_TARGET inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
+}
+AVX2_TARGET inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(v)), 16));
+}
+
 }  // namespace exact

@@ -166,36 +166,51 @@ const float* fp32_vector(const c10::optional<at::Tensor>& t, int64_t N, const ch
 
 }  // namespace
 
+namespace exact {
+
+PackedLinear packed_linear(const at::Tensor& w_packed, int64_t K, int64_t N,
+                           const c10::optional<at::Tensor>& bias,
+                           const c10::optional<at::Tensor>& scale) {
+  const bool int8 = w_packed.scalar_type() == at::kChar;
+  if (!int8) check_bf16(w_packed, "w_packed");
+  TORCH_CHECK(w_packed.device().is_cpu() && w_packed.is_contiguous(),
+              "w_packed must be a contiguous CPU tensor");
+  TORCH_CHECK(w_packed.dim() == 4 && w_packed.size(2) == kLanes && w_packed.size(3) == 2,
+              "linear: w_packed must be [NBLK, KP, 16, 2]");
+  const int64_t nblk = w_packed.size(0), KP = w_packed.size(1);
+  TORCH_CHECK(KP == (K + 1) / 2 && nblk * kLanes >= N && (nblk - 1) * kLanes < N,
+              "linear: packed weight does not match x or N");
+  const float* s = fp32_vector(scale, N, "scale");
+  TORCH_CHECK(int8 == (s != nullptr), "int8 weights need a scale; bf16 weights take none");
+  return PackedLinear{w_packed.data_ptr(), int8, s, fp32_vector(bias, N, "bias"), K, N, nblk,
+                      KP};
+}
+
+void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y) {
+  if (M == 0) return;
+  const int isa = active_isa();
+  TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
+  if (w.int8) {
+    run_linear(x, static_cast<const int8_t*>(w.w), w.scale, w.bias, y, M, w.K, w.N, w.nblk,
+               w.KP, isa);
+  } else {
+    run_linear(x, static_cast<const bf16_t*>(w.w), w.scale, w.bias, y, M, w.K, w.N, w.nblk,
+               w.KP, isa);
+  }
+}
+
+}  // namespace exact
+
 // x [M, K] bf16; w_packed [NBLK, KP, 16, 2] bf16, or int8 with its per-column fp32 `scale`
 // [N] (pack_weight in kernels/__init__.py); bias [N] fp32 or empty. Returns y [M, N] bf16.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale) {
   check_bf16(x, "x");
-  const bool int8 = w_packed.scalar_type() == at::kChar;
-  if (!int8) check_bf16(w_packed, "w_packed");
-  TORCH_CHECK(w_packed.device().is_cpu() && w_packed.is_contiguous(),
-              "w_packed must be a contiguous CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && w_packed.size(2) == kLanes &&
-              w_packed.size(3) == 2, "linear: bad shapes");
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t nblk = w_packed.size(0), KP = w_packed.size(1);
-  TORCH_CHECK(KP == (K + 1) / 2 && nblk * kLanes >= N && (nblk - 1) * kLanes < N,
-              "linear: packed weight does not match x or N");
-  const float* b = fp32_vector(bias, N, "bias");
-  const float* s = fp32_vector(scale, N, "scale");
-  TORCH_CHECK(int8 == (s != nullptr), "int8 weights need a scale; bf16 weights take none");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const int isa = active_isa();
-  TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
-  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  if (int8) {
-    run_linear(xp, w_packed.data_ptr<int8_t>(), s, b, yp, M, K, N, nblk, KP, isa);
-  } else {
-    run_linear(xp, reinterpret_cast<const bf16_t*>(w_packed.data_ptr()), s, b, yp, M, K, N,
-               nblk, KP, isa);
-  }
+  TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K]");
+  const exact::PackedLinear w = exact::packed_linear(w_packed, x.size(1), N, bias, scale);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  exact::linear_into(reinterpret_cast<const bf16_t*>(x.data_ptr()), x.size(0), w,
+                     reinterpret_cast<bf16_t*>(y.data_ptr()));
   return y;
 }
 

@@ -19,13 +19,6 @@ namespace {
 
 using namespace exact;
 
-AVX512_TARGET inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 -> fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
-}
-AVX2_TARGET inline __m256 round_bf16(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(v)), 16));
-}
-
 AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf16_t* w,
                                    int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
   __m512 ss = _mm512_setzero_ps();
@@ -98,6 +91,29 @@ void check_rows(const at::Tensor& t, const char* name, int64_t multiple) {
 }  // namespace
 
 
+namespace exact {
+
+void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
+                   int64_t H, float eps, bf16_t* h, bf16_t* y) {
+  const auto row = get_isa() == 2 ? norm_row_avx512 : norm_row_avx2;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;
+    for (int64_t i = begin; i < end; ++i)
+      row(x + i * H, residual ? residual + i * H : nullptr, weight, H, eps,
+          residual ? h + i * H : nullptr, y + i * H);
+  });
+}
+
+void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y) {
+  const auto row = get_isa() == 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;
+    for (int64_t i = begin; i < end; ++i) row(gate_up + i * 2 * I, I, y + i * I);
+  });
+}
+
+}  // namespace exact
+
 // x [M, H] bf16; weight [H] bf16; residual [M, H] bf16 or none. Returns (y, h): h is
 // x + residual (x itself when there is none), y its norm.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
@@ -109,20 +125,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   if (has_res)
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
                 residual->scalar_type() == at::kBFloat16, "residual must match x");
-  const int64_t M = x.size(0), H = x.size(1);
   at::Tensor y = at::empty_like(x);
   at::Tensor h = has_res ? at::empty_like(x) : x;
-  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  const auto* rp = has_res ? reinterpret_cast<const bf16_t*>(residual->data_ptr()) : nullptr;
-  const auto* wp = reinterpret_cast<const bf16_t*>(weight.data_ptr());
-  auto* hp = reinterpret_cast<bf16_t*>(h.data_ptr());
-  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  const auto row = get_isa() == 2 ? norm_row_avx512 : norm_row_avx2;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t i = begin; i < end; ++i)
-      row(xp + i * H, rp ? rp + i * H : nullptr, wp, H, (float)eps, hp + i * H, yp + i * H);
-  });
+  exact::rms_norm_into(reinterpret_cast<const bf16_t*>(x.data_ptr()),
+                       has_res ? reinterpret_cast<const bf16_t*>(residual->data_ptr()) : nullptr,
+                       reinterpret_cast<const bf16_t*>(weight.data_ptr()), x.size(0), x.size(1),
+                       (float)eps, reinterpret_cast<bf16_t*>(h.data_ptr()),
+                       reinterpret_cast<bf16_t*>(y.data_ptr()));
   return {y, h};
 }
 
@@ -131,12 +140,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up", 32);
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor y = at::empty({M, I}, gate_up.options());
-  const auto* gp = reinterpret_cast<const bf16_t*>(gate_up.data_ptr());
-  auto* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  const auto row = get_isa() == 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t i = begin; i < end; ++i) row(gp + i * 2 * I, I, yp + i * I);
-  });
+  exact::silu_mul_into(reinterpret_cast<const bf16_t*>(gate_up.data_ptr()), M, I,
+                       reinterpret_cast<bf16_t*>(y.data_ptr()));
   return y;
 }

@@ -15,26 +15,13 @@ namespace {
 
 using namespace exact;
 
-inline float f32(bf16_t v) {
-  const uint32_t u = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline bf16_t to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16_t)((u >> 16) | 0x40);
-  return (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-void rope_head_scalar(const bf16_t* x, const bf16_t* cos, const bf16_t* sin, int64_t D,
-                      bf16_t* y) {
-  for (int64_t d = 0; d < D; ++d) {
-    const float a = f32(to_bf16(f32(x[d]) * f32(cos[d])));
-    const float b = f32(to_bf16(f32(x[(d + D / 2) % D]) * f32(sin[d])));
-    y[d] = to_bf16(a + b);
+AVX2_TARGET void rope_head_avx2(const bf16_t* x, const bf16_t* cos, const bf16_t* sin,
+                                int64_t D, bf16_t* y) {  // D % 16 == 0
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 a = bf16x8_to_f32(x + c), r = bf16x8_to_f32(x + (c + D / 2) % D);
+    const __m256 p = round_bf16(_mm256_mul_ps(a, bf16x8_to_f32(cos + c)));
+    const __m256 q = round_bf16(_mm256_mul_ps(r, bf16x8_to_f32(sin + c)));
+    _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_add_ps(p, q)));
   }
 }
 
@@ -42,16 +29,52 @@ AVX512_TARGET void rope_head_avx512(const bf16_t* x, const bf16_t* cos, const bf
                                     int64_t D, bf16_t* y) {  // D % 32 == 0
   for (int64_t c = 0; c < D; c += 16) {
     const __m512 a = bf16x16_to_f32(x + c), r = bf16x16_to_f32(x + (c + D / 2) % D);
-    const __m512 p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        f32x16_to_bf16(_mm512_mul_ps(a, bf16x16_to_f32(cos + c)))), 16));
-    const __m512 q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        f32x16_to_bf16(_mm512_mul_ps(r, bf16x16_to_f32(sin + c)))), 16));
+    const __m512 p = round_bf16(_mm512_mul_ps(a, bf16x16_to_f32(cos + c)));
+    const __m512 q = round_bf16(_mm512_mul_ps(r, bf16x16_to_f32(sin + c)));
     _mm256_storeu_si256((__m256i*)(y + c), f32x16_to_bf16(_mm512_add_ps(p, q)));
   }
 }
 
 }  // namespace
 
+
+namespace exact {
+
+const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t T, const KvLayer& kv) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == T, "slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < kv.slots(), "slot ", slots[t], " out of range");
+  return slots;
+}
+
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D) {
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * D,
+                "cos and sin must be contiguous bfloat16 [T, D]");
+}
+
+void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin, int64_t T,
+                        int64_t H, bf16_t* kv, const KvLayer& layout, const int64_t* slots,
+                        bf16_t* q) {
+  const int64_t HKV = layout.kv_heads, D = layout.head_dim;
+  bf16_t* v = kv + layout.slots() * HKV * D;
+  const int64_t W = (H + 2 * HKV) * D;
+  const auto head = get_isa() == 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_avx2;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    FlushDenormals guard;
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16_t* row = qkv + t * W;
+      for (int64_t j = 0; j < H; ++j) head(row + j * D, cos + t * D, sin + t * D, D, q + (t * H + j) * D);
+      for (int64_t j = 0; j < HKV; ++j)
+        head(row + (H + j) * D, cos + t * D, sin + t * D, D, kv + (slots[t] * HKV + j) * D);
+      std::memcpy(v + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
+    }
+  });
+}
+
+}  // namespace exact
 
 // qkv [T, (H + 2 HKV) * D] bf16 (q heads, k heads, v heads); cos, signed_sin [T, D] bf16;
 // kv_layer [2, NBLK, BS, HKV, D]; slot_mapping [T] int64 (flat cache slot of each token).
@@ -60,37 +83,17 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H) {
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous() && qkv.dim() == 2,
               "qkv must be contiguous bfloat16 [T, (H + 2 HKV) * D]");
-  TORCH_CHECK(kv_layer.scalar_type() == at::kBFloat16 && kv_layer.is_contiguous() &&
-              kv_layer.dim() == 5 && kv_layer.size(0) == 2, "kv_layer must be [2, NBLK, BS, HKV, D]");
-  const int64_t T = qkv.size(0), HKV = kv_layer.size(3), D = kv_layer.size(4);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * HKV) * D && D % 2 == 0, "qkv width does not match heads");
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * D,
-                "cos and sin must be contiguous bfloat16 [T, D]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == T, "slot_mapping must be int64 [T]");
-  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+  const exact::KvLayer layout = exact::kv_layer_of(kv_layer);
+  const int64_t T = qkv.size(0), D = layout.head_dim;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * layout.kv_heads) * D, "qkv width does not match heads");
+  TORCH_CHECK(D % 16 == 0, "rope_write_kv: head_dim must be a multiple of 16");
+  exact::check_rope_tables(cos, sin, T, D);
+  const int64_t* slots = exact::checked_slots(slot_mapping, T, layout);
   at::Tensor q = at::empty({T, H, D}, qkv.options());
-  const auto* src = reinterpret_cast<const bf16_t*>(qkv.data_ptr());
-  const auto* cp = reinterpret_cast<const bf16_t*>(cos.data_ptr());
-  const auto* sp = reinterpret_cast<const bf16_t*>(sin.data_ptr());
-  auto* qp = reinterpret_cast<bf16_t*>(q.data_ptr());
-  auto* kp = reinterpret_cast<bf16_t*>(kv_layer.data_ptr());
-  bf16_t* vp = kp + num_slots * HKV * D;
-  const int64_t W = (H + 2 * HKV) * D;
-  const auto head = get_isa() == 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_scalar;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16_t* row = src + t * W;
-      for (int64_t j = 0; j < H; ++j) head(row + j * D, cp + t * D, sp + t * D, D, qp + (t * H + j) * D);
-      for (int64_t j = 0; j < HKV; ++j)
-        head(row + (H + j) * D, cp + t * D, sp + t * D, D, kp + (slots[t] * HKV + j) * D);
-      std::memcpy(vp + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
-    }
-  });
+  exact::rope_write_kv_into(reinterpret_cast<const bf16_t*>(qkv.data_ptr()),
+                            reinterpret_cast<const bf16_t*>(cos.data_ptr()),
+                            reinterpret_cast<const bf16_t*>(sin.data_ptr()), T, H,
+                            reinterpret_cast<bf16_t*>(kv_layer.data_ptr()), layout, slots,
+                            reinterpret_cast<bf16_t*>(q.data_ptr()));
   return q;
 }
