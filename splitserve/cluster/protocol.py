@@ -12,6 +12,7 @@ Nothing is unpickled; no message names a method.
     worker -> frontend: WorkerReady, Output, KVPlanReady, PrefillDone, RequestFailed,
                         KVEventBatch, KVSnapshot, LoadReport, TransferReport, PoolReport,
                         Detached, TenantPurged, TierEventBatch
+    (the store's messages, PurgeTenant to CancelImport, are in cluster/protocol_store.py)
 
 A disaggregated request (DESIGN 3): the frontend sends Generate(await_kv) to the decode
 worker D and Prefill to the prefill worker P at once. P prefills and streams token 1
@@ -35,6 +36,9 @@ import msgpack
 
 from splitserve.cluster.codec import RecordCodec, record_codec
 from splitserve.cluster.fault_spec import FaultSpec  # InjectFault's payload
+from splitserve.cluster.protocol_store import (STORE_TIERS, CancelImport,  # noqa: F401
+                                               ExportPrefix, PurgeTenant, TenantPurged,
+                                               TierCount, TierEventBatch, TierUsage)
 from splitserve.engine.batch import SampledToken
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import (InvalidRequestError, KVImportError, KVTransferError,
@@ -311,90 +315,6 @@ class SwitchRole:
     index: int
     epoch: int
     secret: bytes  # auth.WorkerSecret.to_bytes()
-
-
-@dataclass(slots=True)
-class PurgeTenant:
-    """Delete the tenant's cached blocks from every tier (wiped), answer TenantPurged."""
-    round: int
-    tenant: str | None
-
-
-@dataclass(slots=True)
-class TierCount:
-    """One tier's share of an answer: blocks and payload bytes ("device" is the pool)."""
-    tier: str
-    blocks: int
-    bytes: int
-
-
-@dataclass(slots=True)
-class TenantPurged:
-    round: int  # the PurgeTenant's
-    removed: list[TierCount]
-    error: str | None  # a tier that could not finish in time (the rest was purged)
-
-
-@dataclass(slots=True)
-class TierEventBatch:
-    """What entered and left one tier below a worker's pool (store/), for the router's
-    tier index. A gap in `seq` (per worker and tier) makes the router forget that tier of
-    the worker until a batch starting with AllBlocksCleared (a resync) comes."""
-    seq: int
-    tier: str  # "host" | "disk"
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    def __post_init__(self) -> None:
-        _check_tier(self.tier)
-
-
-@dataclass(slots=True)
-class TierUsage:
-    """A tier below a worker's pool (store/): current use and cumulative counts."""
-    tier: str  # "host" | "disk"
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    hits: int  # blocks brought up into the pool (a hit that served a request)
-    misses: int
-    evictions: int
-    corrupt: int  # disk files that failed their checks (recomputed instead)
-    bytes_read: int
-    bytes_written: int
-    load_seconds: float
-    store_seconds: float
-    refusals: list[TierCount]  # by reason, in `tier` (quota, busy, not_admitted, ...)
-    tenants: list[TierCount]  # bytes in use per tenant, in `tier` ("" = no tenant)
-
-    def __post_init__(self) -> None:
-        _check_tier(self.tier)
-
-
-@dataclass(slots=True)
-class ExportPrefix:
-    """Peer fetch: send a prompt prefix this worker holds (pool, host or disk tier) to the
-    worker that awaits it (Generate with kv_prefix_end). Nothing is computed: the blocks
-    are held at once (engine.hold_prefix) and sent where the importer's plan (KVPlan)
-    says; PrefillDone follows. Holding less than the whole prefix: RequestFailed."""
-    request_id: str
-    prompt_token_ids: list[int]  # the prefix
-    namespace: str | None
-    kv_timeout_s: float
-    tenant: str | None = None
-
-
-@dataclass(slots=True)
-class CancelImport:
-    """Stop awaiting a request's prefix (its holder failed or left): prefill it all here."""
-    request_id: str
-
-
-STORE_TIERS = ("host", "disk")  # store.block.TierName's values
-
-
-def _check_tier(tier: str) -> None:
-    if tier not in STORE_TIERS:
-        raise ProtocolError(f"tier {tier!r} is not one of {STORE_TIERS}")
 
 
 # New messages go last: a message's tag is its place in this union.

@@ -1,6 +1,6 @@
 """The router's knobs (one frozen dataclass), the disaggregation policy, and the KV
 layout the router learns from workers. The cost formulas the weights scale are in
-router.py's docstring."""
+scoring.py's docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -14,35 +14,10 @@ read only for the service rate and the TPOT horizon); the caller serializes call
     router.take_evictions()                       # tenant cap: hashes to evict per worker
     router.retry_after_s(num_queued)              # for a 429 when the queue is full
 
-Costs are seconds (lower is better). For worker w with `cached` prompt tokens in the
-index (the last block is always recomputed, as the engine does) and `u = T - cached`:
-
-    prefill(w) = full(T) - locality_weight * (full(T) - full(u))      full = cost model
-    load(w)    = queue(w) + step(w) + stall(w)
-                 queue: w's waiting and prefilling prompts through its cost model,
-                        the ones a step shares its budget among counted up to u tokens
-                        each (scoring.queue_wait)
-                 step:  one decode step with w's running sequences + this one
-                 stall: local prefill only: num_running * full(u) / tpot_window_tokens,
-                        the TPOT its running sequences lose (the prefill's time spread
-                        over the tokens their TPOT is averaged over)
-    recent(w)  = predicted seconds of the prompts routed to w to prefill locally within
-                 the TPOT horizon (tpot_window_tokens * tpot_slo_s: the time a sequence
-                 takes for the tokens its TPOT is averaged over, at the SLO)
-    memory(w)  = memory_pressure_s * x / (1 - x), x = KV usage with the prompt placed
-    local(D)       = prefill(D) + load_weight * load(D) + memory_weight * memory(D)
-    remote(P, D)   = prefill(P) + load_weight * queue(P) + memory_weight * memory(P)
-                   + transfer(KV bytes of D's uncached tokens)
-                   + load_weight * step(D) + memory_weight * memory(D)
-    peer(D, W)     = with peer_fetch, a local D may import the N-token prefix W holds
-                   (pool or tiers, >= peer_min_blocks longer than D's) when gain =
-                   prefill(D) - full(T - N) > cost = step(W) + tier load(W)
-                   + transfer(N - D's cached); the largest gain - cost wins (peer.py;
-                   W holds the prefix between two steps, nothing queued or computed)
-
-scoring.py evaluates these for all workers at once. A worker is over budget when
-running + waiting >= max_num_seqs or its free KV blocks
-cannot hold the prompt's uncached blocks. Policy AUTO takes the cheaper of the best local
+The costs (seconds: local prefill, remote prefill + transfer, peer fetch, load, memory)
+are scoring.py's, whose docstring has the formulas; it evaluates them for all workers at
+once. A worker is over budget when running + waiting >= max_num_seqs or its free KV
+blocks cannot hold the prompt's uncached blocks. Policy AUTO takes the cheaper of the best local
 and best remote option, except that a local prefill that would lift D's running
 sequences over `tpot_slo_s` (step + (recent + full(u)) / tpot_window_tokens: every local
 prefill of the horizon stalls the same sequences, and those arriving meanwhile, so an idle

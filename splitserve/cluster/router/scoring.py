@@ -1,11 +1,37 @@
-"""Scores one request against every worker at once (DESIGN.md 5; the formulas are in
-router.py's docstring). Each worker's request-independent terms sit in one column of
+"""Scores one request against every worker at once (DESIGN.md 5; router.py decides with
+the scores). Each worker's request-independent terms sit in one column of
 `WorkerColumns`, rebuilt whenever that worker changes, so a route costs a few dozen
 numpy operations over all workers instead of a Python loop per worker (64 workers: a
 route takes ~60 us instead of ~250 us on a 2-core machine).
 
     columns   [NUM_TERMS, capacity]   row t = one term, column w = one worker
     Scores    arrays [num_workers]    in the order of `WorkerColumns.worker_ids`
+
+Costs are seconds (lower is better). For worker w with `cached` prompt tokens in the
+index (the last block is always recomputed, as the engine does) and `u = T - cached`:
+
+    prefill(w) = full(T) - locality_weight * (full(T) - full(u))      full = cost model
+    load(w)    = queue(w) + step(w) + stall(w)
+                 queue: w's waiting and prefilling prompts through its cost model,
+                        the ones a step shares its budget among counted up to u tokens
+                        each (queue_wait)
+                 step:  one decode step with w's running sequences + this one
+                 stall: local prefill only: num_running * full(u) / tpot_window_tokens,
+                        the TPOT its running sequences lose (the prefill's time spread
+                        over the tokens their TPOT is averaged over)
+    recent(w)  = predicted seconds of the prompts routed to w to prefill locally within
+                 the TPOT horizon (tpot_window_tokens * tpot_slo_s: the time a sequence
+                 takes for the tokens its TPOT is averaged over, at the SLO)
+    memory(w)  = memory_pressure_s * x / (1 - x), x = KV usage with the prompt placed
+    local(D)       = prefill(D) + load_weight * load(D) + memory_weight * memory(D)
+    remote(P, D)   = prefill(P) + load_weight * queue(P) + memory_weight * memory(P)
+                   + transfer(KV bytes of D's uncached tokens)
+                   + load_weight * step(D) + memory_weight * memory(D)
+    peer(D, W)     = with peer_fetch, a local D may import the N-token prefix W holds
+                   (pool or tiers, >= peer_min_blocks longer than D's) when gain =
+                   prefill(D) - full(T - N) > cost = step(W) + tier load(W)
+                   + transfer(N - D's cached); the largest gain - cost wins (peer.py;
+                   W holds the prefix between two steps, nothing queued or computed)
 """
 from __future__ import annotations
 
