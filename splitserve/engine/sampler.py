@@ -38,6 +38,21 @@ def apply_penalties(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     return logits
 
 
+def _changes_logits(spec: SampleSpec) -> bool:
+    """Whether apply_penalties or a ban changes the row (most requests: no)."""
+    p = spec.params
+    return bool(p.repetition_penalty != 1.0 or spec.banned_token_ids
+                or ((p.presence_penalty or p.frequency_penalty) and spec.output_token_ids))
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's first maximum (NaN counting as the maximum, as torch.argmax). On the CPU
+    numpy's: a 49k-entry row takes ~15 us against torch's ~95 on a Zen 1."""
+    if x.device.type == "cpu":
+        return x.numpy().argmax(axis=-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Zeroes tokens outside top-k / the top-p nucleus / below min_p * max (vocab-wide)."""
     if top_k and top_k < probs.shape[-1]:
@@ -81,12 +96,16 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    processed = logits.clone()
+    processed = logits  # copied once a row is to change (logits stay raw for logprobs)
     for row, spec in enumerate(specs):
-        processed[row] = apply_penalties(processed[row], spec)
+        if not _changes_logits(spec):
+            continue
+        if processed is logits:
+            processed = logits.clone()
+        apply_penalties(processed[row], spec)
         if spec.banned_token_ids:
             processed[row, spec.banned_token_ids] = float("-inf")
-    greedy_ids = processed.argmax(dim=-1).tolist()
+    greedy_ids = argmax_rows(processed)
     out: list[SampledToken] = []
     for row, spec in enumerate(specs):
         token_id = greedy_ids[row] if spec.params.is_greedy else sample_one(processed[row], spec)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from splitserve.engine.batch import SampleSpec
-from splitserve.engine.sampler import (apply_penalties, filter_probs, inverse_cdf,
-                                       position_seed, sample)
+from splitserve.engine.sampler import (apply_penalties, argmax_rows, filter_probs,
+                                       inverse_cdf, position_seed, sample)
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import InvalidRequestError
 
@@ -20,6 +20,30 @@ def test_greedy_picks_argmax_and_respects_banned_ids() -> None:
     logits = torch.tensor([[0.1, 3.0, 2.0, -1.0]])
     assert sample(logits, [spec(SamplingParams(temperature=0))])[0].token_id == 1
     assert sample(logits, [spec(SamplingParams(temperature=0), banned=[1])])[0].token_id == 2
+
+
+def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included() -> None:
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 3.0, nan], [-inf, -inf, -inf, -inf],
+                         [0.5, inf, inf, 2.0]])
+    wide = torch.randn(5, 49152)
+    for x in (rows, wide, wide[:, ::2]):  # a strided view too
+        assert argmax_rows(x) == x.argmax(dim=-1).tolist()
+
+
+def test_a_penalized_or_banned_row_leaves_the_callers_logits_and_the_others_alone() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [0.1, 3.0, 2.0, -1.0]])
+    before = logits.clone()
+    out = sample(logits, [spec(SamplingParams(temperature=0), banned=[1]),
+                          spec(SamplingParams(temperature=0, repetition_penalty=4.0),
+                               prompt=[1])])
+    assert [t.token_id for t in out] == [2, 2]  # 3.0 / 4 < 2.0
+    assert torch.equal(logits, before)
+    out = sample(logits, [spec(SamplingParams(temperature=0)), spec(SamplingParams(
+        temperature=0, logprobs=1), banned=[1])])
+    assert [t.token_id for t in out] == [1, 2]
+    assert out[1].top_logprobs is not None and out[1].top_logprobs[0][0] == 1  # raw logprobs
+    assert torch.equal(logits, before)
 
 
 def test_top_k_top_p_min_p_filters() -> None:
