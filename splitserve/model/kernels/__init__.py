@@ -66,7 +66,8 @@ def load() -> ModuleType:
                 _module = cpp_extension.load(
                     name=build_dir.name, build_directory=str(build_dir),
                     sources=[str(_SRC / f) for f in ("exact.cpp", "attention.cpp",
-                                                     "layers.cpp", "rope.cpp", "decoder.cpp")],
+                                                     "layers.cpp", "rope.cpp", "decoder.cpp",
+                                                     "operands.cpp")],
                     # no implicit FMA contraction: every rounding is the one written
                     extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False)

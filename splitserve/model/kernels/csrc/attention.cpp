@@ -340,33 +340,6 @@ constexpr AttendFn kAttendAvx2[8] = {attend_avx2<1>, attend_avx2<2>, attend_avx2
 
 namespace exact {
 
-KvLayer kv_layer_of(const at::Tensor& kv_layer) {
-  TORCH_CHECK(kv_layer.device().is_cpu() && kv_layer.scalar_type() == at::kBFloat16 &&
-              kv_layer.is_contiguous() && kv_layer.dim() == 5 && kv_layer.size(0) == 2,
-              "kv_layer must be a contiguous CPU bfloat16 [2, NBLK, BS, HKV, D]");
-  return KvLayer{kv_layer.size(1), kv_layer.size(2), kv_layer.size(3), kv_layer.size(4)};
-}
-
-PagedIndex paged_index(const at::Tensor& block_tables, const at::Tensor& token_seq,
-                       const at::Tensor& context_lens, int64_t T, const KvLayer& kv) {
-  for (const at::Tensor* t : {&block_tables, &token_seq, &context_lens})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be int32");
-  TORCH_CHECK(token_seq.numel() == T && context_lens.numel() == T, "one entry per token");
-  const int64_t S = block_tables.dim() == 2 ? block_tables.size(0) : 0;
-  const int64_t stride = S ? block_tables.size(1) : 0;
-  const int64_t max_keys = stride * kv.block_size;
-  const int32_t* seq = token_seq.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(seq[t] >= 0 && seq[t] < S && lens[t] >= 1 && lens[t] <= max_keys,
-                "token ", t, ": sequence ", seq[t], " of ", S, ", ", lens[t],
-                " keys (its block table holds ", max_keys, ")");
-  const int32_t* tbl = block_tables.data_ptr<int32_t>();
-  for (int64_t i = 0; i < block_tables.numel(); ++i)
-    TORCH_CHECK(tbl[i] >= 0 && tbl[i] < kv.num_blocks, "block id ", tbl[i], " out of range");
-  return PagedIndex{tbl, stride, seq, lens, T};
-}
-
 void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_t H,
                           const bf16_t* kv, const KvLayer& layout, const PagedIndex& index,
                           float scale, bf16_t* out) {

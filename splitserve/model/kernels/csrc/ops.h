@@ -34,7 +34,7 @@ void register_decoder(pybind11::module& m);
 
 namespace exact {
 
-// ---- the raw forms: operands checked by the caller ----------------------------------------
+// ---- the raw forms: operands checked by the caller (the checks: operands.cpp) -------------
 
 // A packed weight [NBLK, KP, 16, 2] (bf16, or int8 with fp32 per-column scales) and its
 // fp32 bias, checked against K inputs and N outputs by packed_linear().

@@ -40,21 +40,6 @@ AVX512_TARGET void rope_head_avx512(const bf16_t* x, const bf16_t* cos, const bf
 
 namespace exact {
 
-const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t T, const KvLayer& kv) {
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == T, "slot_mapping must be int64 [T]");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < kv.slots(), "slot ", slots[t], " out of range");
-  return slots;
-}
-
-void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D) {
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * D,
-                "cos and sin must be contiguous bfloat16 [T, D]");
-}
-
 void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin, int64_t T,
                         int64_t H, bf16_t* kv, const KvLayer& layout, const int64_t* slots,
                         bf16_t* q) {
