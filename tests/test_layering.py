@@ -64,7 +64,8 @@ def test_imports_point_one_way() -> None:
 # the runtime only how to start a worker; the launcher (composition root) sees everything.
 CLUSTER_ALLOWED = {
     "codec": set(),
-    "protocol": {"codec", "fault_spec"},
+    "protocol": {"codec", "fault_spec", "protocol_store"},
+    "protocol_store": set(),  # the KV store's messages, re-exported by protocol
     "fault_spec": set(),  # InjectFault's payload: fault kinds and where they fire
     "auth": set(),  # control-plane keys (CURVE): shared by both ends and the runtimes
     "router": {"codec", "protocol"},  # shared enums (Role); nothing of the other parts
