@@ -28,6 +28,10 @@ class RequestOutput:
 @dataclass(slots=True)
 class _TextState:
     text: str = ""  # decoded output, cut at a stop string once one matched
+    committed: str = ""  # the decode of output tokens [0, read_offset)
+    # Tokens [prefix_offset, read_offset) are decoded again as the context of the ones after.
+    prefix_offset: int = 0
+    read_offset: int = 0
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
     logprobs: list[SampledToken] | None = None
@@ -38,6 +42,13 @@ class Detokenizer:
 
     Text streamed to a client never contains an incomplete UTF-8 character (held back while
     the decode ends in U+FFFD) nor a prefix of a stop string that may still complete.
+
+    Each step decodes only the new tokens and the few before them (their context: a
+    tokenizer may spell a token differently at the start of a text), and appends what the
+    new ones add; decoding the whole output every step cost O(length) per token. The
+    text is the whole output's decode wherever that is valid UTF-8 (a byte-fallback
+    decoder spells a whole invalid byte run as U+FFFD, bytes already streamed included;
+    the text keeps what was streamed). tests/engine/test_detokenizer.py checks both.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -56,8 +67,7 @@ class Detokenizer:
         if sampled is not None and st.logprobs is not None:
             st.logprobs.append(sampled)
         params = req.params
-        text = self.tokenizer.decode(req.output_token_ids,
-                                     skip_special_tokens=params.skip_special_tokens)
+        text = self._decode(st, req.output_token_ids, params.skip_special_tokens)
         stop_hit = None
         if params.stop:
             stop_hit = _find_stop(text, params.stop, len(st.text))
@@ -81,6 +91,23 @@ class Detokenizer:
         if finished:
             self.remove(req.request_id)
         return out
+
+    def _decode(self, st: _TextState, ids: list[int], skip_special: bool) -> str:
+        """The whole output's text: the committed part, then what tokens [read_offset, end)
+        add to it, decoded after their context [prefix_offset, read_offset). That addition
+        is committed (the offsets move past it) unless it ends inside a UTF-8 character
+        (in U+FFFD) or is empty (skipped special tokens stay context)."""
+        if st.read_offset == len(ids):
+            return st.committed
+        decode = self.tokenizer.decode
+        context = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=skip_special)
+        added = decode(ids[st.prefix_offset:], skip_special_tokens=skip_special)[len(context):]
+        if not added or added.endswith("\ufffd"):
+            return st.committed + added
+        st.committed += added
+        st.prefix_offset, st.read_offset = st.read_offset, len(ids)
+        return st.committed
+
 
 
 def stable_text_len(text: str, stops: list[str], finished: bool) -> int:

@@ -73,17 +73,18 @@ class RotaryEmbedding(nn.Module):
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [num_tokens, 1, head_dim] for a step; computed once, used by every
+        """cos, signed sin [num_tokens, head_dim] for a step; computed once, used by every
         layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.signed_sin[positions].unsqueeze(1).to(dtype))
+        return (self.cos.index_select(0, positions).to(dtype),
+                self.signed_sin.index_select(0, positions).to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's rotate-half RoPE, x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) *
     cat(-sin, sin): the same products bit for bit, in 4 ops instead of 6 (the op count is
     what a decode step of one token pays for)."""
-    # x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
+    # x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, head_dim]
+    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 

@@ -88,7 +88,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        x = self.embed_tokens.weight.index_select(0, input_ids)  # [num_tokens, hidden]
         rope = self.rotary.table(positions, x.dtype)
         if self.exact_decoder is not None:
             x, stream = self._exact_layers(x, rope, meta)
@@ -106,7 +106,7 @@ class LlamaModel(nn.Module):
         KV out (the hook runs between layers, as on the module path)."""
         e = meta.exact
         assert e is not None, "the exact kernels need the runner's exact batch"
-        args = (rope[0].squeeze(1), rope[1].squeeze(1), meta.kv_cache, meta.slot_mapping,
+        args = (rope[0], rope[1], meta.kv_cache, meta.slot_mapping,
                 e.block_tables, e.token_seq, e.context_lens)
         decoder = self.exact_decoder
         if meta.on_layer_end is None:

@@ -60,7 +60,7 @@ def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
     m, spec, e = model.model, model.spec, meta.exact
     assert e is not None
     x = m.embed_tokens(ids)
-    cos, sin = (t.squeeze(1) for t in m.rotary.table(positions, x.dtype))
+    cos, sin = m.rotary.table(positions, x.dtype)
     residual = None
     for i, layer in enumerate(m.layers):
         a = layer.self_attn

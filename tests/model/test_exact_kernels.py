@@ -168,7 +168,7 @@ def test_rope_and_kv_write_are_torchs_bf16_ops(ops, isas: list[int],
     for isa in isas:
         ops.set_isa(isa)
         kv = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=torch.bfloat16)
-        q = kernels.rope_write_kv(qkv, cos.squeeze(1), sin.squeeze(1), kv, slots, heads)
+        q = kernels.rope_write_kv(qkv, cos, sin, kv, slots, heads)
         assert torch.equal(q, want[:, :heads]), isa
         assert torch.equal(kv[0].view(-1, kv_heads, head_dim)[slots], want[:, heads:]), isa
         assert torch.equal(kv[1].view(-1, kv_heads, head_dim)[slots], v), isa
