@@ -109,7 +109,6 @@ class Detokenizer:
         return st.committed
 
 
-
 def stable_text_len(text: str, stops: list[str], finished: bool) -> int:
     """How much of an output's text can be streamed: all of it once finished; before that,
     not a trailing incomplete UTF-8 character nor what may still become a stop string."""

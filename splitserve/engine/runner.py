@@ -68,11 +68,11 @@ class ModelRunner:
         ctx_lens: list[int] = [s.start_pos + 1 for s in decodes]
         if nd:
             max_blocks = max(len(s.block_table) for s in decodes)
-            decode_tables = torch.tensor(
+            decode_tables = self._ints(
                 [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
-                dtype=torch.long, device=dev)
+                np.int64)
             key_pos = torch.arange(max_blocks * bs, device=dev)
-            lens = torch.tensor(ctx_lens, device=dev)
+            lens = self._ints(ctx_lens, np.int64)
             decode_padding = (key_pos[None, :] >= lens[:, None])[:, None, None, :]
         prefills: list[PrefillSlice] = []
         start = nd
@@ -83,17 +83,15 @@ class ModelRunner:
                 ctx = s.start_pos + q_len
                 q_pos = torch.arange(s.start_pos, ctx, device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]  # [q_len, ctx]
-            table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
+            table = self._ints(s.block_table, np.int64)
             prefills.append(PrefillSlice(start, start + q_len, s.start_pos, table, mask))
             start += q_len
         meta = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            kv_cache=self.kv_cache, slot_mapping=self._ints(slots, np.int64),
             num_decodes=nd, decode_block_tables=decode_tables, decode_padding=decode_padding,
             decode_context_lens=ctx_lens,
             prefills=prefills)
-        return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev))
+        return meta, self._ints(input_ids, np.int64), self._ints(positions, np.int64)
 
     def _prepare_exact(self, seqs: list[ScheduledSeq], input_ids: list[int],
                        positions: list[int], slots: list[int]
