@@ -201,6 +201,30 @@ def test_a_stalled_decode_times_out_and_is_aborted() -> None:
     run(scenario, DeadlineConfig(decode_step_timeout_s=0.3), retry=RetryPolicy(max_retries=0))
 
 
+def test_a_requests_own_deadline_wakes_the_reaper_and_an_idle_one_sleeps() -> None:
+    """With the default timeouts (30 s and more) the reaper sleeps; a request that brings
+    a 0.3 s deadline of its own still fails at it, not at the reaper's next routine
+    wake-up. Without it, the reaper checks ~once a timeout, not 20 times a second."""
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        reaps: list[float] = []
+        reap = d._reap
+        d._reap = lambda now: (reaps.append(now), reap(now))[1]  # type: ignore[method-assign]
+        (w,) = await workers(d, ctx, "both")
+        await asyncio.sleep(0.5)
+        assert len(reaps) <= 1  # idle: asleep until the next worker's heartbeat deadline
+        req = request()
+        req.timeout_s = 0.3
+        task = asyncio.create_task(collect(d.generate(req)))
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(RequestTimeout) as err:
+            await task
+        assert err.value.stage == "request" and loop.time() - start < 1.0
+    run(scenario, retry=RetryPolicy(max_retries=0))
+
+
 def test_worker_errors_reach_the_caller_typed() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (w,) = await workers(d, ctx, "both")

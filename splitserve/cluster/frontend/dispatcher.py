@@ -24,7 +24,9 @@ position exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -53,7 +55,7 @@ from splitserve.errors import AdmissionRejected, RequestTimeout, SplitserveError
 
 logger = logging.getLogger(__name__)
 
-REAPER_PERIOD_S = 0.05
+REAPER_PERIOD_S = 0.05  # the reaper's shortest sleep: how late a deadline can be noticed
 
 
 class Dispatcher(WorkerMessages):
@@ -84,6 +86,8 @@ class Dispatcher(WorkerMessages):
         self.delivery = Redelivery(self.link, self.flights, self.fail_attempt, self.mark_dead)
         self.link.on_lost = self.delivery.on_lost  # lost sends fail or are resent
         self._tasks: list[asyncio.Task[None]] = []
+        self._reaper_at = 0.0  # monotonic: when the reaper wakes next
+        self._reaper_wake = asyncio.Event()  # a request whose own deadline is sooner
 
     @property
     def max_model_len(self) -> int:
@@ -155,6 +159,8 @@ class Dispatcher(WorkerMessages):
         flight = Flight(request, now, now + timeout,
                         min(now + timeout, now + self.deadlines.queue_timeout_s))
         self.flights.add(flight)
+        if flight.deadline < self._reaper_at:  # its own timeout, shorter than any stage's
+            self._reaper_wake.set()
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         return flight
 
@@ -288,24 +294,42 @@ class Dispatcher(WorkerMessages):
                 self.peers.on_lost(flight, worker.identity)
 
     async def _reaper(self) -> None:
-        """Every 50 ms: requests past a deadline (queue: fail; a stalled stage: retry;
-        the request deadline: fail) and workers past their heartbeat deadline."""
+        """Requests past a deadline (queue: fail; a stalled stage: retry; the request
+        deadline: fail) and workers past their heartbeat deadline. It sleeps until the
+        earliest deadline there is (at least REAPER_PERIOD_S), at most the shortest
+        configured timeout, since a deadline armed while it sleeps (a stage's, a worker's
+        heartbeat) is at least that far away; a request's own shorter timeout wakes it
+        (`_admit`). An idle or steadily streaming frontend wakes ~once a timeout, not
+        20 times a second (each wake-up is CPU taken from the workers on a small machine).
+        """
+        d = self.deadlines
+        max_sleep_s = min(d.queue_timeout_s, d.prefill_timeout_s, d.decode_step_timeout_s,
+                        d.kv_timeout_s, d.heartbeat_timeout_s)
         while True:
-            await asyncio.sleep(REAPER_PERIOD_S)
             now = time.monotonic()
-            for flight in self.flights:
-                overdue = flight.overdue(now, self.deadlines.queue_timeout_s)
-                if overdue is None:
-                    continue
-                kind, error = overdue
-                if flight.state is FlightState.QUEUED:
-                    assert flight.admitted is not None
-                    self.metrics.failures.labels(kind.value).inc()
-                    flight.admitted.set_exception(error)
-                else:
-                    self.fail_attempt(flight, kind, error)
-            for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
-                self.mark_dead(worker.identity, "missed its heartbeat deadline")
+            self._reap(now)
+            due = min(min((f.next_due() for f in self.flights), default=math.inf),
+                      self.table.next_due(d.heartbeat_timeout_s))
+            sleep_s = min(max(due - now, REAPER_PERIOD_S), max_sleep_s)
+            self._reaper_at = now + sleep_s
+            self._reaper_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reaper_wake.wait(), sleep_s)
+
+    def _reap(self, now: float) -> None:
+        for flight in self.flights:
+            overdue = flight.overdue(now, self.deadlines.queue_timeout_s)
+            if overdue is None:
+                continue
+            kind, error = overdue
+            if flight.state is FlightState.QUEUED:
+                assert flight.admitted is not None
+                self.metrics.failures.labels(kind.value).inc()
+                flight.admitted.set_exception(error)
+            else:
+                self.fail_attempt(flight, kind, error)
+        for worker in self.table.overdue(self.deadlines.heartbeat_timeout_s, now):
+            self.mark_dead(worker.identity, "missed its heartbeat deadline")
 
     async def drain(self, worker_id: str, timeout_s: float) -> dict[str, int]:
         """Takes a worker out of routing and moves its decoding requests to the other

@@ -129,6 +129,15 @@ class Flight:
         self.advance(FlightState.PREFILL, now, deadlines)  # until it streams a new token
         return self.attempt_id
 
+    def next_due(self) -> float:
+        """The earliest time `overdue` can report a timeout (inf: none can come)."""
+        if self.is_over:
+            return math.inf
+        if self.state is FlightState.QUEUED:  # the queue timeout (or request deadline)
+            waiting = self.admitted is not None and not self.admitted.done()
+            return self.stage_deadline if waiting else math.inf
+        return min(self.deadline, self.stage_deadline)
+
     def overdue(self, now: float, queue_timeout_s: float
                 ) -> tuple[FailureKind, RequestTimeout] | None:
         """The timeout this request passed by `now`, reported once (then None): the queue

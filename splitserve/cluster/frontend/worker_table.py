@@ -8,6 +8,8 @@ before anything changes (`check`).
 """
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +113,11 @@ class WorkerTable:
     def overdue(self, timeout_s: float, now: float) -> list[WorkerInfo]:
         """Healthy workers silent for longer than `timeout_s` (load reports are heartbeats)."""
         return [w for w in self.workers.values() if w.healthy and now - w.last_seen > timeout_s]
+
+    def next_due(self, timeout_s: float) -> float:
+        """When the first healthy worker runs out of `timeout_s` of silence (inf: none)."""
+        return min((w.last_seen + timeout_s for w in self.workers.values() if w.healthy),
+                   default=math.inf)
 
 
 def _epoch(identity: bytes, worker_id: str) -> int:
