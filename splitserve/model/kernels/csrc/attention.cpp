@@ -352,14 +352,14 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
          index.tables, index.table_stride, index.token_seq, index.context_lens,
          H, HKV, D, scale, out};
   const AttendFn attend = (get_isa() == 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];
-  // Threads take contiguous ranges; tasks alternate from both ends so that a causal
-  // prefill's short and long contexts are spread over them (0, n-1, 1, n-2, ...).
+  // Threads take tasks as they go (parallel_tasks), the last token first: in a causal
+  // prefill later tokens see more keys, and the longest tasks first share out best.
   const int64_t n = index.T * HKV;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(n, [&](Tasks& tasks) {
     FlushDenormals guard;
     thread_local Scratch scratch;
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t task = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
+    for (int64_t k; tasks.take(k);) {
+      const int64_t task = n - 1 - k;
       attend(a, task / HKV, task % HKV, scratch);
     }
   });

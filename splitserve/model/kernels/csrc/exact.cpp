@@ -94,28 +94,29 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
   for (; i < n; ++i) out[i] = (bf16_t)(__builtin_bit_cast(uint32_t, (float)q[i]) >> 16);
 }
 
-// y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads over
-// (4-block column group, 60-row chunk) tasks: never a reduction. A task of at most one
-// micro-kernel's rows (decode) reads its weights once, so the AVX2 path prefetches them
-// (measured on AVX2 only; the AVX-512 path is as it was). A task of more rows first widens
-// its group once, into a per-thread buffer that stays in L2: to fp32 for the AVX2 panels
-// (linear_micro.h), and an int8 group to bf16 for the AVX-512 micro-kernels. The same
-// values, so the same bits, with the widening paid once per 60 rows instead of once per 6.
+// y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads taking
+// (4-block column group, 60-row chunk) tasks (parallel_tasks): never a reduction. A task
+// of at most one micro-kernel's rows (decode) reads its weights once, so the AVX2 path
+// prefetches them (measured on AVX2 only; the AVX-512 path is as it was). A task of more
+// rows first widens its group once, into a per-thread buffer that stays in L2: to fp32
+// for the AVX2 panels (linear_micro.h), and an int8 group to bf16 for the AVX-512
+// micro-kernels. The same values, so the same bits, with the widening paid once per 60
+// rows instead of once per 6.
 template <typename W>
 void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
                 int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa) {
   const Table<W>& table = table_for<W>(isa);
   const Table<bf16_t>& widened_table = table_for<bf16_t>(isa);
   const int64_t w_block = KP * 2 * kLanes;  // one 16-column block; groups are 4 blocks
-  const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
   constexpr int64_t kRowChunk = 60;  // rows per task: the group's weights stay in L2
   const int64_t row_chunks = (M + kRowChunk - 1) / kRowChunk;
+  const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
   constexpr bool kWiden = std::is_same<W, int8_t>::value;
-  at::parallel_for(0, groups * row_chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(groups * row_chunks, [&](Tasks& tasks) {
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
     std::vector<float> panel;  // AVX2: the group widened to fp32 (run_panels)
     std::vector<bf16_t> widened;  // AVX-512: an int8 group widened to bf16
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.take(task);) {
       const int64_t g = task / row_chunks, rc = task % row_chunks;
       const int64_t blk0 = g * kMaxBlocks;
       const int nb = (int)std::min<int64_t>(kMaxBlocks, nblk - blk0);
