@@ -304,7 +304,7 @@ class Dispatcher(WorkerMessages):
         """
         d = self.deadlines
         max_sleep_s = min(d.queue_timeout_s, d.prefill_timeout_s, d.decode_step_timeout_s,
-                        d.kv_timeout_s, d.heartbeat_timeout_s)
+                          d.kv_timeout_s, d.heartbeat_timeout_s)
         while True:
             now = time.monotonic()
             self._reap(now)

@@ -9,7 +9,6 @@ before anything changes (`check`).
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field
 
