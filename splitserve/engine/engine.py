@@ -23,7 +23,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, StepFailed
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
-from splitserve.model.kernels import EXACT_KERNELS, isa_name, use_exact_kernels_
+from splitserve.model.kernels import isa_name, kernels_version, use_exact_kernels_
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.packed import can_pack, pack_linears_
@@ -94,7 +94,7 @@ class LLMEngine(EngineKV):
         # Exact and fast kernels give other bits: their KV never mixes.
         self.fingerprint = model_fingerprint(
             self.spec, str(self.dtype).removeprefix("torch."), cache.block_size,
-            weights_digest, kernels=EXACT_KERNELS if self.batch_invariant else "default")
+            weights_digest, kernels=kernels_version() if self.batch_invariant else "default")
         self.kv_layout = KVLayout(self.fingerprint, cache.block_size, self.spec.num_layers,
                                   self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)

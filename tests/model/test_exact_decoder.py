@@ -87,7 +87,7 @@ def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool,
     ops = kernels.load()
     before = ops.get_isa()
     try:
-        for isa in range(1, before + 1):  # AVX2, then AVX-512 BF16 where the CPU has it
+        for isa in range(1, before + 1):  # AVX2, then AVX-512 BF16 and AMX where present
             ops.set_isa(isa)
             meta, ids, positions = _step(model)
             kv0 = meta.kv_cache.clone()

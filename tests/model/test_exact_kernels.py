@@ -4,7 +4,8 @@ Guarantees checked here, on whatever x86 CPU runs the tests:
 - the linear's every output is the fold written in csrc/exact.cpp (pairwise FMAs over k,
   odd element first), checked against a torch emulation of that fold;
 - so its rows do not depend on the row count, the thread count or the ISA path: AVX2 and
-  AVX-512 BF16 give the same bits (checked where the CPU has both);
+  AVX-512 BF16 give the same bits (checked where the CPU has both; AMX tiles have bits of
+  their own, test_exact_amx.py);
 - attention gives every token the same bits alone or batched, whatever its physical blocks,
   and is within bf16 rounding of an fp32 reference.
 """
@@ -56,6 +57,7 @@ def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops, isas: list[int]) 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
+        ops.set_isa(isas[-1])  # the fold (AMX tiles compute their own bits)
         want = exact(x)
         for isa in isas:
             ops.set_isa(isa)

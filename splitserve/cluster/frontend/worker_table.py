@@ -51,7 +51,8 @@ class WorkerTable:
         the worker and role the message claims; a registered identity cannot register
         again, a removed one never comes back, and a new incarnation must be newer than
         the one it replaces. All workers share one model fingerprint (same model, dtype,
-        block size and KV format), or their KV could not move between them."""
+        block size, KV format and kernels' arithmetic), or their KV could not move between
+        them."""
         epoch = _epoch(identity, ready.worker_id)
         role, _, index = ready.worker_id.rpartition("-")
         if role != ready.role.value or not index.isdigit():
@@ -69,7 +70,10 @@ class WorkerTable:
         if self.fingerprint is not None and ready.fingerprint != self.fingerprint:
             raise ProtocolError(f"worker {ready.worker_id} runs another model (fingerprint "
                                 f"{ready.fingerprint[:12]} != {self.fingerprint[:12]}); "
-                                "every worker must load the same model, dtype and block size")
+                                "every worker must load the same model, dtype and block "
+                                "size, on kernels of the same arithmetic (exact kernels on AMX "
+                                "have bits of their own: SPLITSERVE_CPU_ISA=avx512_bf16 on the "
+                                "AMX machines gives them the other x86 machines' bits)")
         counts = {"pid": ready.pid, "block_size": ready.block_size,
                   "num_blocks": ready.num_blocks, "max_model_len": ready.max_model_len,
                   "max_num_seqs": ready.max_num_seqs,

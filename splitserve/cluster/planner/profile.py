@@ -142,7 +142,7 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
     from splitserve.engine.device import (resolve_batch_invariant, resolve_device,
                                           resolve_dtype)
     from splitserve.model.fingerprint import model_fingerprint
-    from splitserve.model.kernels import EXACT_KERNELS
+    from splitserve.model.kernels import kernels_version
     from splitserve.model.loader import open_checkpoint
 
     args = dict(engine_args)
@@ -153,7 +153,7 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
     digest = ckpt.weights_digest + (f"+{config.quantization}" if config.quantization else "")
     kv_dtype = str(dtype).removeprefix("torch.")
     fingerprint = model_fingerprint(ckpt.spec, kv_dtype, config.cache.block_size, digest,
-                                    kernels=EXACT_KERNELS if invariant else "default")
+                                    kernels=kernels_version() if invariant else "default")
     return ProfileKey(fingerprint, kv_dtype, invariant, threads, cpu_model(),
                       config.scheduler.max_num_batched_tokens, config.scheduler.max_step_ms,
                       engine_code_digest())

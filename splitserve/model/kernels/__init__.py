@@ -6,11 +6,15 @@ continues any sequence exactly). oneDNN chooses kernels and blocking by row coun
 (AMX tiles, AVX-512 BF16 dot products, a GEMV path), so a bf16 token gets other bits in a
 batch of 1 than in a batch of 300. These kernels fix the reduction order of every output
 element in the code (see csrc/exact.cpp), so the same token gives the same bits in any
-batch, chunk, thread count, and on AVX2 and AVX-512 BF16 machines alike.
+batch, chunk, thread count, and on AVX2 and AVX-512 BF16 machines alike. On AMX-BF16
+machines (Sapphire Rapids and later) the linears run on AMX tiles, batch-invariant too but
+with bits of their own (csrc/linear_amx.h): their fingerprint says so (`kernels_version()`).
 
 The C++ is compiled once per machine on first use (torch.utils.cpp_extension: g++ and
 ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
-`SPLITSERVE_CPU_ISA=avx2|avx512_bf16` caps the ISA the kernels use (tests run both).
+`SPLITSERVE_CPU_ISA=avx2|avx512_bf16|amx_bf16` caps the ISA the kernels use (tests run
+each level the CPU has; `avx512_bf16` on an AMX machine gives the bits of every other
+x86 machine, for a cluster that mixes the two).
 Processes that start together build once: the others wait for the builder (at most
 `BUILD_DEADLINE_S`), and a build killed half-way never blocks the next start (`_build_lock`).
 """
@@ -35,8 +39,8 @@ from splitserve.model.quant import QUANTIZATIONS, int8_weights
 
 logger = logging.getLogger(__name__)
 
-ISAS = {"avx2": 1, "avx512_bf16": 2}
-# Part of the model fingerprint: bump when any kernel's arithmetic changes.
+ISAS = {"avx2": 1, "avx512_bf16": 2, "amx_bf16": 3}
+# Part of the model fingerprint (kernels_version()): bump when any kernel's arithmetic changes.
 EXACT_KERNELS = "exact/v1"
 _LANES = 16  # columns per packed weight block (one 16-lane fp32 accumulator)
 _SRC = Path(__file__).parent / "csrc"
@@ -121,6 +125,12 @@ def isa_name() -> str:
     """The instruction set the exact kernels run with on this machine."""
     level = load().get_isa()
     return next((name for name, v in ISAS.items() if v == level), "none")
+
+
+def kernels_version() -> str:
+    """The exact kernels' arithmetic on this machine, for the model fingerprint: AVX2 and
+    AVX-512 BF16 compute the same bits (EXACT_KERNELS); AMX tiles their own ("+amx")."""
+    return EXACT_KERNELS + ("+amx" if isa_name() == "amx_bf16" else "")
 
 
 _GROUP = 4  # 16-column blocks per micro-kernel (64 columns)

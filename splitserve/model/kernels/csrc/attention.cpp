@@ -351,7 +351,7 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
          layout.block_size * tok_stride, tok_stride, layout.block_size,
          index.tables, index.table_stride, index.token_seq, index.context_lens,
          H, HKV, D, scale, out};
-  const AttendFn attend = (get_isa() == 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];
+  const AttendFn attend = (get_isa() >= 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];
   // Threads take tasks as they go (parallel_tasks), the last token first: in a causal
   // prefill later tokens see more keys, and the longest tasks first share out best.
   const int64_t n = index.T * HKV;

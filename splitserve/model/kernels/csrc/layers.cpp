@@ -95,7 +95,7 @@ namespace exact {
 
 void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
                    int64_t H, float eps, bf16_t* h, bf16_t* y) {
-  const auto row = get_isa() == 2 ? norm_row_avx512 : norm_row_avx2;
+  const auto row = get_isa() >= 2 ? norm_row_avx512 : norm_row_avx2;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     for (int64_t i = begin; i < end; ++i)
@@ -105,7 +105,7 @@ void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight
 }
 
 void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y) {
-  const auto row = get_isa() == 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
+  const auto row = get_isa() >= 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     for (int64_t i = begin; i < end; ++i) row(gate_up + i * 2 * I, I, y + i * I);

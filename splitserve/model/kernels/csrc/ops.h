@@ -17,7 +17,7 @@
 // exact.cpp: y = x @ W^T over packed bf16 or int8 (with `scale`) weights.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale);
-int64_t get_isa();  // 1 = AVX2, 2 = AVX-512 BF16 (exact.cpp)
+int64_t get_isa();  // 1 = AVX2, 2 = AVX-512 BF16, 3 = AMX-BF16 (exact.cpp)
 // attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
                            const at::Tensor& block_tables, const at::Tensor& token_seq,

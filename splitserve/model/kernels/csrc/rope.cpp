@@ -46,7 +46,7 @@ void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin,
   const int64_t HKV = layout.kv_heads, D = layout.head_dim;
   bf16_t* v = kv + layout.slots() * HKV * D;
   const int64_t W = (H + 2 * HKV) * D;
-  const auto head = get_isa() == 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_avx2;
+  const auto head = get_isa() >= 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_avx2;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     for (int64_t t = begin; t < end; ++t) {
