@@ -1,11 +1,14 @@
-"""The linear on AMX-BF16 tiles (csrc/linear_amx.h): batch-invariant, with bits of its own.
+"""The linear and attention on AMX-BF16 tiles (csrc/linear_amx.h, attention_amx.h):
+batch-invariant, with bits of their own.
 
 TDPBF16PS does not compute the fold the other paths share (its rounding inside a 32-product
 sum is not documented), so there is no emulation to compare with. What is checked instead,
 on CPUs with AMX (the tests skip elsewhere): a row's bits do not depend on the row count,
 the rows around it or the thread count; int8 weights are the bf16 tiles over the same
 integers; a K that is not a multiple of 32 takes the specified fold; the layer is the
-linear to bf16 rounding; and the fingerprint of an engine on AMX is not the fold's.
+linear to bf16 rounding; attention gives every token of a causal step its bits alone, in
+chunks of any size and batched, within bf16 rounding of an fp32 reference; and the
+fingerprint of an engine on AMX is not the fold's.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch import nn
 
 from splitserve.model import kernels
 
-from tests.model.test_exact_kernels import _fold
+from tests.model.test_exact_kernels import _fold, _reference_attention
 
 
 def test_amx_rows_do_not_depend_on_rows_neighbours_or_threads(amx: ModuleType) -> None:
@@ -68,3 +71,49 @@ def test_an_amx_engine_has_a_fingerprint_of_its_own(amx: ModuleType) -> None:
     assert kernels.kernels_version() == kernels.EXACT_KERNELS + "+amx"
     amx.set_isa(kernels.ISAS["avx512_bf16"])
     assert kernels.kernels_version() == kernels.EXACT_KERNELS
+
+
+def _causal_step(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+    """A cache and a step of causal prefills: sequence i's tokens 0..lengths[i]-1, each
+    seeing itself and the ones before it. Returns kv, tables, token_seq, ctx."""
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    per = -(-max(lengths) // block_size)
+    tables = torch.randperm(num_blocks)[:per * len(lengths)].view(len(lengths), per)
+    token_seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    ctx = torch.cat([torch.arange(1, n + 1) for n in lengths])
+    return kv, tables.to(torch.int32), token_seq.to(torch.int32), ctx.to(torch.int32)
+
+
+# (query heads, kv heads, head_dim): 5, 2 and 16 tokens a tile; head_dim 80 takes the fold
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 32), (4, 4, 64),
+                                                     (10, 2, 80)])
+def test_amx_attention_gives_a_token_its_bits_in_any_tile(amx: ModuleType, heads: int,
+                                                          kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(heads + head_dim)
+    kv, tables, token_seq, ctx = _causal_step(64, 16, kv_heads, head_dim, [70, 37, 1])
+    T = len(ctx)
+    q = torch.randn(T, heads + kv_heads, head_dim, dtype=torch.bfloat16)[:, :heads]  # strided
+    scale = head_dim ** -0.5
+    got = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
+    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
+                                                                 scale), rtol=2e-2, atol=1e-2)
+    # each token alone, its blocks moved elsewhere; and the step in chunks of every size
+    moved = torch.empty_like(kv)
+    new_ids = torch.randperm(kv.shape[1])
+    moved[:, new_ids] = kv
+    for t in range(T):
+        table = new_ids[tables[token_seq[t]].long()].to(torch.int32)[None]
+        alone = kernels.paged_attention(q[t:t + 1], moved, table,
+                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
+        assert torch.equal(alone[0], got[t]), t
+    for chunk in (2, 3, 7, 16, 17, 50):
+        for t0 in range(0, T, chunk):
+            part = kernels.paged_attention(q[t0:t0 + chunk], kv, tables, token_seq[t0:t0 + chunk],
+                                           ctx[t0:t0 + chunk], scale)
+            assert torch.equal(part, got[t0:t0 + chunk]), (chunk, t0)
+    # the tiles are a path of their own where they run (head_dim 32, 64)
+    amx.set_isa(kernels.ISAS["avx512_bf16"])
+    fold = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
+    assert torch.equal(fold, got) == (head_dim not in (32, 64))

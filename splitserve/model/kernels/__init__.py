@@ -7,8 +7,9 @@ continues any sequence exactly). oneDNN chooses kernels and blocking by row coun
 batch of 1 than in a batch of 300. These kernels fix the reduction order of every output
 element in the code (see csrc/exact.cpp), so the same token gives the same bits in any
 batch, chunk, thread count, and on AVX2 and AVX-512 BF16 machines alike. On AMX-BF16
-machines (Sapphire Rapids and later) the linears run on AMX tiles, batch-invariant too but
-with bits of their own (csrc/linear_amx.h): their fingerprint says so (`kernels_version()`).
+machines (Sapphire Rapids and later) the linears and attention run on AMX tiles,
+batch-invariant too but with bits of their own (csrc/linear_amx.h, attention_amx.h): their
+fingerprint says so (`kernels_version()`).
 
 The C++ is compiled once per machine on first use (torch.utils.cpp_extension: g++ and
 ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).

@@ -18,10 +18,11 @@
 // AVX2 path runs those FMAs one by one under MXCSR FTZ|DAZ. The two are bit-identical
 // (tests/model/test_exact_kernels.py checks it), so a token's bits do not depend on the
 // machine's ISA either. Threads split rows and columns, never a reduction. On AMX-BF16
-// CPUs the linear runs on tiles instead (linear_amx.h): batch-invariant as well, ~7x the
-// AVX-512 path's GEMM speed on a Sapphire Rapids, but with bits of its own, so an engine
-// there has its own fingerprint (kernels_version() in __init__.py); SPLITSERVE_CPU_ISA=
-// avx512_bf16 keeps such a machine on the fold.
+// CPUs the linear and attention run on tiles instead (linear_amx.h, attention_amx.h):
+// batch-invariant as well, the linear ~7x the AVX-512 path's GEMM speed on a 2-core Xeon
+// with AMX, but with bits of their own, so an engine there has its own fingerprint
+// (kernels_version() in __init__.py); SPLITSERVE_CPU_ISA=avx512_bf16 keeps such a machine
+// on the fold.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -1,10 +1,10 @@
 // The linear layer on AMX-BF16 tiles (Sapphire Rapids and later; exact.cpp dispatches it).
 //
-// TDPBF16PS does not compute the FMA fold of exact.cpp's header: measured on a Sapphire
-// Rapids, its 32-product sums match neither pair order of FMAs nor an exactly rounded sum
-// (its internal rounding is not documented). It is still one fixed function of each output
-// row's operands: a row's bits do not depend on the other rows of its tile, nor on the
-// tile's row count (checked on the machine, and by tests/model/test_exact_amx.py). So this
+// TDPBF16PS does not compute the FMA fold of exact.cpp's header: measured on a Xeon of
+// family 6 model 207, its 32-product sums match neither pair order of FMAs nor an exactly
+// rounded sum (its internal rounding is not documented). It is still one fixed function
+// of each output row's operands: a row's bits do not depend on the other rows of its
+// tile, nor on its row count (checked on the machine; tests/model/test_exact_amx.py). So this
 // path is batch-invariant by the same rule as the others (the reduction order is part of
 // the code, never of the shape: 32 k at a time, k tiles in order, starting from +0.0),
 // but its bits are its own: an engine on it has another fingerprint ("exact/v1+amx"), and
