@@ -78,7 +78,7 @@ class AmxTiles {
 // over K (a multiple of 32). The tiles must be configured for `rows` rows.
 template <int NB>
 AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                               int64_t pair_stride, float* acc) {
+                               int64_t pair_stride, float* acc, bool stream) {
   const int64_t x_stride = ldx * (int64_t)sizeof(bf16_t);
   const int64_t w_stride = pair_stride * (int64_t)sizeof(bf16_t);
   _tile_zero(0);
@@ -87,6 +87,10 @@ AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t k = 0; k < K; k += kAmxK) {
     const bf16_t* wk = w + (k / 2) * pair_stride;
+    if (stream) {  // a few rows read each weight once, from DRAM: fetch 2 k steps ahead
+      const char* ahead = (const char*)(wk + 2 * kAmxK / 2 * pair_stride);
+      for (int64_t b = 0; b < kAmxK / 2 * w_stride; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
     _tile_loadd(4, x + k, x_stride);
     _tile_loadd(5, wk, w_stride);
     _tile_dpbf16ps(0, 4, 5);
@@ -134,13 +138,13 @@ AMX_TARGET inline void amx_rows(AmxTiles& tiles, const bf16_t* x, int64_t K, con
                                 int nb, const float* scale, const float* bias, bf16_t* y,
                                 int64_t ldy, int64_t n_valid, int64_t rows) {
   alignas(64) float acc[4 * kAmxRows * kLanes];
-  using Fn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, float*);
+  using Fn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, float*, bool);
   static constexpr Fn kBlocks[4] = {amx_block_rows<1>, amx_block_rows<2>, amx_block_rows<3>,
                                     amx_block_rows<4>};
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int m = (int)std::min<int64_t>(kAmxRows, rows - r);
     tiles.configure(m);
-    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, acc);
+    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, acc, rows <= kMaxRows);
     amx_store(acc, m, nb, scale, bias, y + r * ldy, ldy, n_valid);
   }
 }
