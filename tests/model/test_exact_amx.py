@@ -20,7 +20,7 @@ from torch import nn
 
 from splitserve.model import kernels
 
-from tests.model.test_exact_kernels import _fold, _reference_attention
+from tests.model.test_exact_kernels import _fold, _reference_attention, assert_rows_free
 
 
 def test_amx_rows_do_not_depend_on_rows_neighbours_or_threads(amx: ModuleType) -> None:
@@ -28,21 +28,12 @@ def test_amx_rows_do_not_depend_on_rows_neighbours_or_threads(amx: ModuleType) -
     lin = nn.Linear(576, 200, bias=True).to(torch.bfloat16)
     exact = kernels.ExactLinear(lin)
     x = torch.randn(130, 576, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        want = exact(x)
-        for num_threads in (1, 2, 3):  # 3: more threads than cores, shares taken over
-            torch.set_num_threads(num_threads)
-            for rows in (1, 2, 15, 16, 17, 31, 63, 64, 65, 130):
-                assert torch.equal(exact(x[:rows]), want[:rows]), (num_threads, rows)
-                assert torch.equal(exact(x[-rows:]), want[-rows:]), (num_threads, rows)
-        # other rows beside it in the same tile change nothing
-        noisy = torch.randn(16, 576, dtype=torch.bfloat16) * 100
-        noisy[5] = x[7]
-        assert torch.equal(exact(noisy)[5], want[7])
-    finally:
-        torch.set_num_threads(threads)
+    want = exact(x)
+    assert_rows_free(exact, x, want, (1, 2, 15, 16, 17, 31, 63, 64, 65, 130))
+    # other rows beside it in the same tile change nothing
+    noisy = torch.randn(16, 576, dtype=torch.bfloat16) * 100
+    noisy[5] = x[7]
+    assert torch.equal(exact(noisy)[5], want[7])
     torch.testing.assert_close(want, lin(x), rtol=2e-2, atol=2e-2)
     # the tiles are a path of their own: the fold (AVX-512 BF16) differs somewhere
     amx.set_isa(kernels.ISAS["avx512_bf16"])

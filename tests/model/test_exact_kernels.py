@@ -49,25 +49,31 @@ def test_linear_is_the_specified_fold_on_every_isa(ops, isas: list[int], k: int,
             assert torch.equal(exact(x[:rows]), want[:rows]), (isa, rows)
 
 
+def assert_rows_free(exact: nn.Module, x: torch.Tensor, want: torch.Tensor,
+                     row_counts: tuple[int, ...], *label: object) -> None:
+    """exact's first and last `rows` rows of x are want's, for every count, at 1, 2 and 3
+    threads (3: more threads than cores, their shares taken over by the others)."""
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for rows in row_counts:
+                assert torch.equal(exact(x[:rows]), want[:rows]), (*label, num_threads, rows)
+                assert torch.equal(exact(x[-rows:]), want[-rows:]), (*label, num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_linear_rows_do_not_depend_on_rows_threads_or_isa(ops, isas: list[int]) -> None:
     torch.manual_seed(1)
     lin = nn.Linear(576, 200, bias=True).to(torch.bfloat16)
     exact = kernels.ExactLinear(lin)
     x = torch.randn(130, 576, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        ops.set_isa(isas[-1])  # the fold (AMX tiles compute their own bits)
-        want = exact(x)
-        for isa in isas:
-            ops.set_isa(isa)
-            for num_threads in (1, 2, 3):  # 3: uneven shares of the column blocks
-                torch.set_num_threads(num_threads)
-                for rows in (1, 2, 3, 5, 6, 7, 31, 61, 64, 65, 130):
-                    assert torch.equal(exact(x[:rows]), want[:rows]), (isa, num_threads, rows)
-                    assert torch.equal(exact(x[-rows:]), want[-rows:]), (isa, num_threads, rows)
-    finally:
-        torch.set_num_threads(threads)
+    ops.set_isa(isas[-1])  # the fold (AMX tiles compute their own bits)
+    want = exact(x)
+    for isa in isas:
+        ops.set_isa(isa)
+        assert_rows_free(exact, x, want, (1, 2, 3, 5, 6, 7, 31, 61, 64, 65, 130), isa)
     # and it is the linear layer, to bf16 rounding
     torch.testing.assert_close(want, lin(x), rtol=2e-2, atol=2e-2)
 

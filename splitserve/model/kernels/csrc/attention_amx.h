@@ -107,11 +107,11 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   alignas(64) bf16_t pa[16 * 32];
   sc.vp.resize(kVc * 16 * 32);
   const int64_t blocks = (L + block_size - 1) / block_size;
-  for (int c = 0; c < kVc; ++c) {
-    if (c == 0) _tile_zero(0);
-    if (c == 1) _tile_zero(1);
-    if (c == 2) _tile_zero(2);
-    if (c == 3) _tile_zero(3);
+  _tile_zero(0);  // o's 16-wide chunks: C tiles 0 .. kVc-1
+  _tile_zero(1);
+  if constexpr (kVc > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
   std::memset(pa, 0, sizeof(pa));  // rows past nrows stay zero
   // (v[2p][16c + n], v[2p+1][16c + n]) for n < 16, from two 32-element halves of the rows
@@ -141,10 +141,8 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
     _tile_loadd(4, pa, 64);
     _tile_loadd(5, sc.vp.data(), 64);
     _tile_dpbf16ps(0, 4, 5);
-    if constexpr (kVc > 1) {
-      _tile_loadd(6, sc.vp.data() + 16 * 32, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
+    _tile_loadd(6, sc.vp.data() + 16 * 32, 64);
+    _tile_dpbf16ps(1, 4, 6);
     if constexpr (kVc > 2) {
       _tile_loadd(5, sc.vp.data() + 2 * 16 * 32, 64);
       _tile_dpbf16ps(2, 4, 5);
@@ -154,7 +152,7 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   }
   alignas(64) float o[4 * 16 * 16];
   _tile_stored(0, o, 64);
-  if constexpr (kVc > 1) _tile_stored(1, o + 256, 64);
+  _tile_stored(1, o + 256, 64);
   if constexpr (kVc > 2) {
     _tile_stored(2, o + 512, 64);
     _tile_stored(3, o + 768, 64);
