@@ -162,15 +162,13 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
 def fit_curves(prefill: Sequence[tuple[int, float]],
                decode: Sequence[tuple[int, float]]) -> CostCurves:
     """The router's fits over the samples, (tokens, seconds) and (sequences, seconds),
-    each size's fastest sample standing for it: other processes on the machine only ever
-    add time (a step descheduled for 0.5 s among 15 ms ones), and the curves are meant to
-    be the cost on cores of their own. Needs 3 sizes of each."""
+    through each curve's envelope (`_envelope`): the curves are meant to be the cost on
+    cores of their own. Needs 3 sizes of each."""
     prefill_model = PrefillCostModel(_fit_config(prefill))
     decode_model = DecodeStepModel(_fit_config(decode))
-    for tokens, seconds in _fastest(prefill):
-        prefill_model.observe(tokens, seconds)
-    for num_seqs, seconds in _fastest(decode):
-        decode_model.observe(num_seqs, seconds)
+    for model, samples in ((prefill_model, prefill), (decode_model, decode)):
+        for size, seconds in _envelope(samples) or []:
+            model.observe(size, seconds)
     if not (prefill_model.is_fitted and decode_model.is_fitted):
         raise LayoutProfileError(f"the measured timings fit no non-decreasing curve over 3 "
                                  f"sizes or more (prefill {_fastest(prefill)}, decode "
@@ -181,11 +179,30 @@ def fit_curves(prefill: Sequence[tuple[int, float]],
                       Quadratic(*decode_model.coefficients))
 
 
+# How far under a smaller size's time a larger size's may fall and still be noise.
+_NOISE = 0.25
+
+
 def _fastest(samples: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     best: dict[int, float] = {}
     for size, seconds in samples:
         best[size] = min(seconds, best.get(size, seconds))
     return sorted(best.items())
+
+
+def _envelope(samples: Sequence[tuple[int, float]]) -> list[tuple[int, float]] | None:
+    """Each size's fastest sample (other processes only ever add time: a step descheduled
+    for 0.5 s among 15 ms ones), raised to the largest of the smaller sizes': more tokens
+    or sequences never cost less, and where the step is flat (decode batches 1-4 on AMX
+    tiles, all bound by reading the weights) the sizes differ by noise alone. None when a
+    size falls more than _NOISE under a smaller one: that is not noise."""
+    envelope: list[tuple[int, float]] = []
+    for size, seconds in _fastest(samples):
+        top = envelope[-1][1] if envelope else 0.0
+        if seconds < (1 - _NOISE) * top:
+            return None
+        envelope.append((size, max(seconds, top)))
+    return envelope
 
 
 def _fit_config(samples: Sequence[tuple[int, float]]) -> CostModelConfig:

@@ -63,19 +63,21 @@ class Quadratic(NamedTuple):
 
 def _lstsq(x: np.ndarray, y: np.ndarray, degree: int) -> Quadratic | None:
     """Least-squares polynomial of `degree` (1 or 2) in x, or None when ill-conditioned,
-    or decreasing somewhere on x >= 0."""
+    or decreasing somewhere on x >= 0 (flat is a fit)."""
     scale = float(x.max())
     xs = x / scale  # columns of comparable size keep the normal equations well conditioned
     design = np.stack([xs ** k for k in range(degree + 1)], axis=1)
     coef, _, rank, singular = np.linalg.lstsq(design, y, rcond=None)
     if rank < degree + 1 or singular[0] > _MAX_CONDITION * singular[-1]:
         return None
-    a = float(coef[0])
-    b = float(coef[1]) / scale
-    c = float(coef[2]) / scale ** 2 if degree == 2 else 0.0
-    if b < 0 or c < 0 or (b == 0 and c == 0):
+    # A term worth under a billionth of the largest time at the largest x is rounding:
+    # flat data (a decode step bound by reading the weights) fits b = 0, not b = -1e-19.
+    tiny = 1e-9 * float(np.abs(y).max())
+    b_xs, c_xs = (float(v) if abs(v) > tiny else 0.0 for v in
+                  (coef[1], coef[2] if degree == 2 else 0.0))
+    if b_xs < 0 or c_xs < 0:
         return None
-    return Quadratic(a, b, c)
+    return Quadratic(float(coef[0]), b_xs / scale, c_xs / scale ** 2)
 
 
 class _Samples:
