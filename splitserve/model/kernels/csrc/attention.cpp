@@ -354,28 +354,8 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
          index.tables, index.table_stride, index.token_seq, index.context_lens,
          H, HKV, D, scale, out};
   const int64_t G = H / HKV;
-  if (get_isa() >= 3 && (D == 32 || D == 64) && layout.block_size % 16 == 0 && G <= 16) {
-    // AMX (attention_amx.h): tiles of up to 16 / G consecutive tokens of one sequence
-    std::vector<std::pair<int64_t, int64_t>> spans;  // (first token, tokens)
-    for (int64_t t = 0, n; t < index.T; t += n) {
-      for (n = 1; n < 16 / G && t + n < index.T && index.token_seq[t + n] == index.token_seq[t];)
-        ++n;
-      spans.emplace_back(t, n);
-    }
-    const int64_t n = (int64_t)spans.size() * HKV;
-    const auto tile = D == 32 ? attend_tile_amx<32> : attend_tile_amx<64>;
-    parallel_tasks(n, [&](Tasks& tasks) {
-      FlushDenormals guard;
-      AmxTiles tiles;
-      thread_local AmxAttnScratch scratch;
-      for (int64_t k; tasks.take(k);) {  // the last tokens (the most keys) first
-        const int64_t task = n - 1 - k, h = task % HKV;
-        const auto [t0, ntok] = spans[task / HKV];
-        tile(q, q_tok, q_head, a.k, a.v, a.blk_stride, a.tok_stride, a.block_size,
-             index.tables + index.token_seq[t0] * index.table_stride, index.context_lens, t0,
-             ntok, h, G, H, scale, out, tiles, scratch);
-      }
-    });
+  if (get_isa() >= 3 && amx_attention_fits(layout, G)) {
+    paged_attention_amx(q, q_tok, q_head, H, kv, layout, index, scale, out);
     return;
   }
   const AttendFn attend = (get_isa() >= 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];

@@ -23,9 +23,11 @@
 
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "linear_amx.h"
+#include "ops.h"
 
 namespace exact {
 
@@ -166,6 +168,41 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
       _mm256_storeu_si256((__m256i*)(dst + 16 * c),
                           f32x16_to_bf16(_mm512_div_ps(_mm512_loadu_ps(o + c * 256 + r * 16), zr)));
   }
+}
+
+// Whether the tiles take a layer of this shape (else the fold's kernels do).
+inline bool amx_attention_fits(const KvLayer& layout, int64_t G) {
+  return (layout.head_dim == 32 || layout.head_dim == 64) && layout.block_size % 16 == 0 &&
+         G <= 16;
+}
+
+// paged_attention_into's AMX path: one task per tile of up to 16 / G consecutive tokens of
+// one sequence and one KV head, the last tokens (the most keys) first.
+inline void paged_attention_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_t H,
+                                const bf16_t* kv, const KvLayer& layout,
+                                const PagedIndex& index, float scale, bf16_t* out) {
+  const int64_t HKV = layout.kv_heads, G = H / HKV, tok_stride = HKV * layout.head_dim;
+  const bf16_t* v = kv + layout.slots() * tok_stride;
+  std::vector<std::pair<int64_t, int64_t>> spans;  // (first token, tokens)
+  for (int64_t t = 0, n; t < index.T; t += n) {
+    for (n = 1; n < 16 / G && t + n < index.T && index.token_seq[t + n] == index.token_seq[t];)
+      ++n;
+    spans.emplace_back(t, n);
+  }
+  const int64_t n = (int64_t)spans.size() * HKV;
+  const auto tile = layout.head_dim == 32 ? attend_tile_amx<32> : attend_tile_amx<64>;
+  parallel_tasks(n, [&](Tasks& tasks) {
+    FlushDenormals guard;
+    AmxTiles tiles;
+    thread_local AmxAttnScratch scratch;
+    for (int64_t k; tasks.take(k);) {
+      const int64_t task = n - 1 - k, h = task % HKV;
+      const auto [t0, ntok] = spans[task / HKV];
+      tile(q, q_tok, q_head, kv, v, layout.block_size * tok_stride, tok_stride,
+           layout.block_size, index.tables + index.token_seq[t0] * index.table_stride,
+           index.context_lens, t0, ntok, h, G, H, scale, out, tiles, scratch);
+    }
+  });
 }
 
 }  // namespace exact

@@ -87,7 +87,7 @@ AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t k = 0; k < K; k += kAmxK) {
     const bf16_t* wk = w + (k / 2) * pair_stride;
-    if (stream) {  // a few rows read each weight once, from DRAM: fetch 2 k steps ahead
+    if (stream) {  // each weight comes from DRAM: fetch it 2 k steps ahead
       const char* ahead = (const char*)(wk + 2 * kAmxK / 2 * pair_stride);
       for (int64_t b = 0; b < kAmxK / 2 * w_stride; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     }
@@ -144,7 +144,8 @@ AMX_TARGET inline void amx_rows(AmxTiles& tiles, const bf16_t* x, int64_t K, con
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int m = (int)std::min<int64_t>(kAmxRows, rows - r);
     tiles.configure(m);
-    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, acc, rows <= kMaxRows);
+    // The task's first pass reads the group from DRAM, its later passes from L2.
+    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, acc, r == 0);
     amx_store(acc, m, nb, scale, bias, y + r * ldy, ldy, n_valid);
   }
 }
