@@ -38,6 +38,16 @@ struct AmxAttnScratch {
   std::vector<bf16_t> vp;      // [D/16][16 key pairs][16][2]: one 32-key step of V
 };
 
+// Fetches 16 rows of a cache half (one head's, `tok_stride` elements apart) into L1: a
+// decode step reads the cache from DRAM, and TILELOADD streams it slower than prefetched
+// lines.
+template <int D>
+inline void prefetch_16_rows(const bf16_t* rows, int64_t tok_stride) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t c = 0; c < D * (int64_t)sizeof(bf16_t); c += 64)
+      _mm_prefetch((const char*)(rows + r * tok_stride) + c, _MM_HINT_T0);
+}
+
 // One tile: rows r = (token t0 + r / G, query head h * G + r % G), nrows = ntok * G.
 // k, v: the layer's cache halves at kv head 0; tok_stride = HKV * D; ctx per token.
 template <int D>
@@ -71,10 +81,14 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   }
 
   // S^T, 16 keys (one tile of a cache block) at a time.
+  // Head h's rows of the 16 keys from l (block_size is a multiple of 16: one block's).
+  const auto group = [&](const bf16_t* half, int64_t l) {
+    return half + table[l / block_size] * blk_stride + l % block_size * tok_stride + h * D;
+  };
   sc.st.resize(L16 * 16);
   for (int64_t l0 = 0; l0 < L16; l0 += 16) {
-    const int64_t blk = table[l0 / block_size], slot = l0 % block_size;
-    const bf16_t* kb = k + blk * blk_stride + slot * tok_stride + h * D;
+    const bf16_t* kb = group(k, l0);
+    if (l0 + 32 < L16) prefetch_16_rows<D>(group(k, l0 + 32), tok_stride);  // 2 tiles ahead
     _tile_zero(0);
     for (int c = 0; c < kDc; ++c) {
       _tile_loadd(4, kb + 32 * c, tok_stride * (int64_t)sizeof(bf16_t));
@@ -122,18 +136,21 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   const __m512i lo_idx = _mm512_load_si512(pairs);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   for (int64_t l0 = 0; l0 < L32; l0 += 32) {
+    const bf16_t* halves[2];  // the step's two 16-key groups; none past the last block
+    for (int j = 0; j < 2; ++j) {
+      const int64_t l = l0 + 16 * j;
+      halves[j] = l / block_size < blocks ? group(v, l) : nullptr;
+      if (l + 32 < L) prefetch_16_rows<D>(group(v, l + 32), tok_stride);  // the next step
+    }
     for (int64_t r = 0; r < nrows; ++r)
       for (int64_t j = 0; j < 32; ++j) pa[r * 32 + j] = sc.pt[(l0 + j) * 16 + r];
     for (int64_t p = 0; p < 16; ++p) {
-      const bf16_t* rows[2];
-      for (int j = 0; j < 2; ++j) {
-        const int64_t l = l0 + 2 * p + j, b = l / block_size;
-        rows[j] = b < blocks ? v + table[b] * blk_stride + (l % block_size) * tok_stride + h * D
-                             : nullptr;
-      }
+      const bf16_t* g = halves[p / 8];
+      const bf16_t* row0 = g ? g + (2 * p % 16) * tok_stride : nullptr;
       for (int c = 0; c < kVc; c += 2) {
-        const __m512i a = rows[0] ? _mm512_loadu_si512(rows[0] + 16 * c) : _mm512_setzero_si512();
-        const __m512i b = rows[1] ? _mm512_loadu_si512(rows[1] + 16 * c) : _mm512_setzero_si512();
+        const __m512i a = row0 ? _mm512_loadu_si512(row0 + 16 * c) : _mm512_setzero_si512();
+        const __m512i b =
+            row0 ? _mm512_loadu_si512(row0 + tok_stride + 16 * c) : _mm512_setzero_si512();
         _mm512_storeu_si512(sc.vp.data() + (c * 16 + p) * 32,
                             _mm512_permutex2var_epi16(a, lo_idx, b));
         _mm512_storeu_si512(sc.vp.data() + ((c + 1) * 16 + p) * 32,
