@@ -20,6 +20,7 @@ from torch import nn
 
 from splitserve.model import kernels
 
+from tests.model.conftest import native_isa
 from tests.model.test_exact_kernels import _fold, _reference_attention, assert_rows_free
 
 
@@ -108,3 +109,64 @@ def test_amx_attention_gives_a_token_its_bits_in_any_tile(amx: ModuleType, heads
     amx.set_isa(kernels.ISAS["avx512_bf16"])
     fold = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
     assert torch.equal(fold, got) == (head_dim not in (32, 64))
+
+
+# (query heads, kv heads, head_dim): 5, 2 and 16 sequences' decode tokens share a tile
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 32), (4, 4, 64)])
+def test_amx_attention_packs_decode_tokens_of_many_sequences(amx: ModuleType, heads: int,
+                                                             kv_heads: int,
+                                                             head_dim: int) -> None:
+    """A decode step's tokens (one per sequence, contexts from 1 to 300 keys) share tiles;
+    each gets the bits it has alone, with its blocks elsewhere in the cache."""
+    torch.manual_seed(heads * head_dim)
+    lengths = [1, 300, 17, 16, 32, 33, 190, 5, 64, 2, 129, 48, 7, 250, 15, 96, 31, 1, 80, 12]
+    kv = torch.randn(2, 400, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+    per = -(-max(lengths) // 16)
+    tables = torch.randperm(400)[:per * len(lengths)].view(len(lengths), per).to(torch.int32)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    token_seq = torch.arange(len(lengths), dtype=torch.int32)
+    q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
+    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
+                                                                 scale), rtol=2e-2, atol=1e-2)
+    moved = torch.empty_like(kv)
+    new_ids = torch.randperm(kv.shape[1])
+    moved[:, new_ids] = kv
+    for t in torch.randperm(len(lengths)).tolist():
+        table = new_ids[tables[t].long()].to(torch.int32)[None]
+        alone = kernels.paged_attention(q[t:t + 1], moved, table,
+                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
+        assert torch.equal(alone[0], got[t]), lengths[t]
+    # in another order, with other neighbours in each tile
+    order = torch.randperm(len(lengths))
+    shuffled = kernels.paged_attention(q[order], kv, tables, token_seq[order], ctx[order], scale)
+    assert torch.equal(shuffled, got[order])
+
+
+def test_attention_ignores_whatever_lies_past_a_context(ops: ModuleType) -> None:
+    """A cache slot past a token's context (a block's tail, left by its last owner: a peer's
+    transfer may have put NaN or inf there) changes no bit of any token, its own or a
+    neighbour's in the tile (on AMX a zero p times a NaN value would be NaN), at every ISA
+    level this CPU runs."""
+    for level in range(1, native_isa(ops) + 1):
+        ops.set_isa(level)
+        _past_context_changes_nothing()
+
+
+def _past_context_changes_nothing() -> None:
+    torch.manual_seed(11)
+    kv = torch.randn(2, 32, 16, 3, 64, dtype=torch.bfloat16)
+    tables = torch.arange(30, dtype=torch.int32).view(5, 6)
+    ctx = torch.tensor([40, 1, 95, 17, 64], dtype=torch.int32)  # one exact block: 64
+    token_seq = torch.arange(5, dtype=torch.int32)
+    q = torch.randn(5, 9, 64, dtype=torch.bfloat16)
+    clean = kernels.paged_attention(q, kv, tables, token_seq, ctx, 0.125)
+    dirty = kv.clone()
+    for s, n in enumerate(ctx.tolist()):
+        flat = dirty[:, tables[s].long()].flatten(1, 2)  # [2, 6 * 16, 3, 64], a copy
+        flat[:, n:] = float("nan")
+        flat[:, n:, :, ::7] = float("inf")
+        dirty[:, tables[s].long()] = flat.view(2, 6, 16, 3, 64)
+    got = kernels.paged_attention(q, dirty, tables, token_seq, ctx, 0.125)
+    assert torch.equal(got, clean)
