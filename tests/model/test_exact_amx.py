@@ -78,6 +78,24 @@ def _causal_step(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
     return kv, tables.to(torch.int32), token_seq.to(torch.int32), ctx.to(torch.int32)
 
 
+def _batched_and_alone(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+                       token_seq: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """The step's attention, checked against the fp32 reference, and each token alone (its
+    blocks moved elsewhere in the cache) against it bit for bit."""
+    got = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
+    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
+                                                                 scale), rtol=2e-2, atol=1e-2)
+    moved = torch.empty_like(kv)
+    new_ids = torch.randperm(kv.shape[1])
+    moved[:, new_ids] = kv
+    for t in torch.randperm(len(ctx)).tolist():
+        table = new_ids[tables[token_seq[t]].long()].to(torch.int32)[None]
+        alone = kernels.paged_attention(q[t:t + 1], moved, table,
+                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
+        assert torch.equal(alone[0], got[t]), (t, int(ctx[t]))
+    return got
+
+
 # (query heads, kv heads, head_dim): 5, 2 and 16 tokens a tile; head_dim 80 takes the fold
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 32), (4, 4, 64),
                                                      (10, 2, 80)])
@@ -88,18 +106,8 @@ def test_amx_attention_gives_a_token_its_bits_in_any_tile(amx: ModuleType, heads
     T = len(ctx)
     q = torch.randn(T, heads + kv_heads, head_dim, dtype=torch.bfloat16)[:, :heads]  # strided
     scale = head_dim ** -0.5
-    got = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
-    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
-                                                                 scale), rtol=2e-2, atol=1e-2)
-    # each token alone, its blocks moved elsewhere; and the step in chunks of every size
-    moved = torch.empty_like(kv)
-    new_ids = torch.randperm(kv.shape[1])
-    moved[:, new_ids] = kv
-    for t in range(T):
-        table = new_ids[tables[token_seq[t]].long()].to(torch.int32)[None]
-        alone = kernels.paged_attention(q[t:t + 1], moved, table,
-                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
-        assert torch.equal(alone[0], got[t]), t
+    got = _batched_and_alone(q, kv, tables, token_seq, ctx, scale)
+    # and the step in chunks of every size
     for chunk in (2, 3, 7, 16, 17, 50):
         for t0 in range(0, T, chunk):
             part = kernels.paged_attention(q[t0:t0 + chunk], kv, tables, token_seq[t0:t0 + chunk],
@@ -127,17 +135,7 @@ def test_amx_attention_packs_decode_tokens_of_many_sequences(amx: ModuleType, he
     token_seq = torch.arange(len(lengths), dtype=torch.int32)
     q = torch.randn(len(lengths), heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim ** -0.5
-    got = kernels.paged_attention(q, kv, tables, token_seq, ctx, scale)
-    torch.testing.assert_close(got.float(), _reference_attention(q, kv, tables, token_seq, ctx,
-                                                                 scale), rtol=2e-2, atol=1e-2)
-    moved = torch.empty_like(kv)
-    new_ids = torch.randperm(kv.shape[1])
-    moved[:, new_ids] = kv
-    for t in torch.randperm(len(lengths)).tolist():
-        table = new_ids[tables[t].long()].to(torch.int32)[None]
-        alone = kernels.paged_attention(q[t:t + 1], moved, table,
-                                        torch.zeros(1, dtype=torch.int32), ctx[t:t + 1], scale)
-        assert torch.equal(alone[0], got[t]), lengths[t]
+    got = _batched_and_alone(q, kv, tables, token_seq, ctx, scale)
     # in another order, with other neighbours in each tile
     order = torch.randperm(len(lengths))
     shuffled = kernels.paged_attention(q[order], kv, tables, token_seq[order], ctx[order], scale)
