@@ -154,14 +154,16 @@ def test_attention_ignores_whatever_lies_past_a_context(ops: ModuleType) -> None
 
 def _past_context_changes_nothing() -> None:
     torch.manual_seed(11)
-    kv = torch.randn(2, 32, 16, 3, 64, dtype=torch.bfloat16)
-    tables = torch.arange(30, dtype=torch.int32).view(5, 6)
-    ctx = torch.tensor([40, 1, 95, 17, 64], dtype=torch.int32)  # one exact block: 64
-    token_seq = torch.arange(5, dtype=torch.int32)
-    q = torch.randn(5, 9, 64, dtype=torch.bfloat16)
+    kv = torch.randn(2, 36, 16, 3, 64, dtype=torch.bfloat16)
+    tables = torch.arange(36, dtype=torch.int32).view(6, 6)
+    # five decode tokens (one context an exact block: 64) and a prefill's 23 tokens after 49
+    # cached ones (on AMX its V is packed once for all of its tiles, up to its last context)
+    ctx = torch.tensor([40, 1, 95, 17, 64, *range(50, 73)], dtype=torch.int32)
+    token_seq = torch.tensor([0, 1, 2, 3, 4, *[5] * 23], dtype=torch.int32)
+    q = torch.randn(len(ctx), 9, 64, dtype=torch.bfloat16)
     clean = kernels.paged_attention(q, kv, tables, token_seq, ctx, 0.125)
     dirty = kv.clone()
-    for s, n in enumerate(ctx.tolist()):
+    for s, n in enumerate([40, 1, 95, 17, 64, 72]):
         flat = dirty[:, tables[s].long()].flatten(1, 2)  # [2, 6 * 16, 3, 64], a copy
         flat[:, n:] = float("nan")
         flat[:, n:, :, ::7] = float("inf")

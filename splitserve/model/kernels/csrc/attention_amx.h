@@ -17,17 +17,22 @@
 // transposed into pairs once, the B tile; the segment's columns are kept. The softmax runs
 // once for all 16 rows (lanes), then P V per segment (P as the A tile, its other rows'
 // results discarded; V packed into key pairs, zero at and past the segment's context, so
-// a slot past it, which may hold anything, is never multiplied). A score depends only on
-// its key's and its query's rows (a tile row's result never depends on the other rows, nor
-// a column's on the other columns), and p is zero past a row's context: zero products
-// leave a tile sum as it is, and all-zero key steps leave it too (measured on Xeons of
-// family 6 models 207 and 167; tests/model/test_exact_amx.py checks tokens alone against
-// batched). So a token's bits do not depend on which tokens share its tile, nor on the
-// tile's length: batch-invariant as the fold is, with bits of its own (the "+amx"
-// fingerprint).
+// a slot past it, which may hold anything, is never multiplied). A sequence whose tokens
+// fill several tiles (a prefill) has its V packed once, before the tiles, and each of its
+// tiles reads the 32-key steps below its context from there (the step its context ends
+// in, it packs itself): the same pairs, packed once instead of once a tile (prefill
+// attention over 512 tokens, 30 layers: 28.7-30.3 -> 25.0-25.5 ms on a model-167 Xeon).
+// A score depends only on its key's and its query's rows (a tile row's result never
+// depends on the other rows, nor a column's on the other columns), and p is zero past a
+// row's context: zero products leave a tile sum as it is, and all-zero key steps leave it
+// too (measured on Xeons of family 6 models 207 and 167; tests/model/test_exact_amx.py
+// checks tokens alone against batched). So a token's bits do not depend on which tokens
+// share its tile, nor on the tile's length: batch-invariant as the fold is, with bits of
+// its own (the "+amx" fingerprint).
 #pragma once
 
 #include <cstring>
+#include <algorithm>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -119,6 +124,43 @@ inline void prefetch_16_rows(const bf16_t* rows, int64_t tok_stride) {
       _mm_prefetch((const char*)(rows + r * tok_stride) + c, _MM_HINT_T0);
 }
 
+// One P V step's B tiles: V's keys l0 .. l0 + 31 of one sequence and KV head (`half`: the
+// cache's V half at the head) in key pairs, [D / 16 chunks][16 pairs][16][2]. A key at or
+// past `ctx` is zero: p is zero there, and a slot past a context may hold anything, NaN too.
+template <int D>
+AMX_TARGET inline void pack_v_step(const bf16_t* half, const int32_t* table, int64_t blk_stride,
+                                   int64_t tok_stride, int64_t block_size, int64_t l0,
+                                   int64_t ctx, bf16_t* dst) {
+  constexpr int kVc = D / 16;
+  // (v[2p][16c + n], v[2p+1][16c + n]) for n < 16, from two 32-element halves of the rows
+  alignas(64) uint16_t pairs[32];
+  for (int n = 0; n < 16; ++n) pairs[2 * n] = n, pairs[2 * n + 1] = 32 + n;
+  const __m512i lo_idx = _mm512_load_si512(pairs);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const auto group = [&](int64_t l) {
+    return half + table[l / block_size] * blk_stride + l % block_size * tok_stride;
+  };
+  const bf16_t* halves[2];  // the step's two 16-key groups; none past the context
+  for (int j = 0; j < 2; ++j) {
+    const int64_t l = l0 + 16 * j;
+    halves[j] = l < ctx ? group(l) : nullptr;
+    if (l + 32 < ctx) prefetch_16_rows<D>(group(l + 32), tok_stride);  // the next step
+  }
+  for (int64_t p = 0; p < 16; ++p) {  // key pair p = keys l0 + 2p, l0 + 2p + 1
+    const int64_t key = l0 + 2 * p;
+    const bf16_t* vr = key < ctx ? halves[p / 8] + (2 * p % 16) * tok_stride : nullptr;
+    const bool second = key + 1 < ctx;
+    for (int c = 0; c < kVc; c += 2) {
+      const __m512i a = vr ? _mm512_loadu_si512(vr + 16 * c) : _mm512_setzero_si512();
+      const __m512i b =
+          second ? _mm512_loadu_si512(vr + tok_stride + 16 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (c * 16 + p) * 32, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(dst + ((c + 1) * 16 + p) * 32,
+                          _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
 // A tile's rows come from segments: runs of consecutive tokens of one sequence (decode
 // packs up to 16 / G sequences of one token each, a prefill up to 16 / G of its tokens).
 struct AmxSegment {
@@ -133,7 +175,8 @@ template <int D>
 AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, const bf16_t* k,
                                 const bf16_t* v, int64_t blk_stride, int64_t tok_stride,
                                 int64_t block_size, const PagedIndex& index,
-                                const AmxSegment* segs, int nsegs, int64_t h, int64_t G,
+                                const AmxSegment* segs, const bf16_t* const* packs, int nsegs,
+                                int64_t h, int64_t G,
                                 int64_t H, float scale, bf16_t* out, AmxTiles& tiles,
                                 AmxAttnScratch& sc) {
   static_assert(D == 32 || D == 64, "tiles for head_dim 32 or 64");
@@ -217,13 +260,11 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   for (int64_t l0 = 0; l0 < L32; l0 += 32) rows_of_keys(sc.pt.data() + l0 * 16, sc.pa.data() + l0 * 16);
 
   // o = P V per segment, 32 keys at a time: P as the A tile (rows x 32 keys; the segment's
-  // rows, the others' products discarded), V packed in key pairs.
+  // rows, the others' products discarded), V packed in key pairs (pack_v_step), by the tile
+  // or, for a step below the segment's context, read from its sequence's packs (a
+  // prefill's: paged_attention_amx packs those once for all of its tiles).
   sc.vp.resize(kVc * 16 * 32);
-  // (v[2p][16c + n], v[2p+1][16c + n]) for n < 16, from two 32-element halves of the rows
-  alignas(64) uint16_t pairs[32];
-  for (int n = 0; n < 16; ++n) pairs[2 * n] = n, pairs[2 * n + 1] = 32 + n;
-  const __m512i lo_idx = _mm512_load_si512(pairs);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const int64_t step_elems = (int64_t)D * 32, HKV = tok_stride / D;
   alignas(64) float o[4 * 16 * 16];
   for (int s = 0; s < nsegs; ++s) {
     const int32_t* table = table_of(segs[s]);
@@ -235,37 +276,20 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
       _tile_zero(3);
     }
     for (int64_t l0 = 0; l0 < Ls; l0 += 32) {
-      const bf16_t* halves[2];  // the step's two 16-key groups; none past the context
-      for (int j = 0; j < 2; ++j) {
-        const int64_t l = l0 + 16 * j;
-        halves[j] = l < Ls ? group(table, v, l) : nullptr;
-        if (l + 32 < Ls) prefetch_16_rows<D>(group(table, v, l + 32), tok_stride);  // the next step
-      }
-      // Key pair p = keys l0 + 2p, l0 + 2p + 1; a key at or past the segment's context is
-      // zero (p is zero there, and a slot past the context may hold anything, NaN too).
-      for (int64_t p = 0; p < 16; ++p) {
-        const int64_t key = l0 + 2 * p;
-        const bf16_t* vr = key < Ls ? halves[p / 8] + (2 * p % 16) * tok_stride : nullptr;
-        const bool second = key + 1 < Ls;
-        for (int c = 0; c < kVc; c += 2) {
-          const __m512i a = vr ? _mm512_loadu_si512(vr + 16 * c) : _mm512_setzero_si512();
-          const __m512i b =
-              second ? _mm512_loadu_si512(vr + tok_stride + 16 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(sc.vp.data() + (c * 16 + p) * 32,
-                              _mm512_permutex2var_epi16(a, lo_idx, b));
-          _mm512_storeu_si512(sc.vp.data() + ((c + 1) * 16 + p) * 32,
-                              _mm512_permutex2var_epi16(a, hi_idx, b));
-        }
-      }
+      const bf16_t* vb = sc.vp.data();
+      if (packs[s] != nullptr && l0 + 32 <= Ls)
+        vb = packs[s] + (l0 / 32 * HKV + h) * step_elems;
+      else
+        pack_v_step<D>(v + h * D, table, blk_stride, tok_stride, block_size, l0, Ls, sc.vp.data());
       _tile_loadd(4, sc.pa.data() + l0 * 16, 64);
-      _tile_loadd(5, sc.vp.data(), 64);
+      _tile_loadd(5, vb, 64);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, sc.vp.data() + 16 * 32, 64);
+      _tile_loadd(6, vb + 16 * 32, 64);
       _tile_dpbf16ps(1, 4, 6);
       if constexpr (kVc > 2) {
-        _tile_loadd(5, sc.vp.data() + 2 * 16 * 32, 64);
+        _tile_loadd(5, vb + 2 * 16 * 32, 64);
         _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, sc.vp.data() + 3 * 16 * 32, 64);
+        _tile_loadd(6, vb + 3 * 16 * 32, 64);
         _tile_dpbf16ps(3, 4, 6);
       }
     }
@@ -311,6 +335,43 @@ inline void paged_attention_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
     ++tiles_of.back().second;
     rows += n * G;
   }
+  // A sequence whose tokens fill more than one tile (a prefill) has V packed once per KV
+  // head and 32-key step, up to its last token's context, for all of its tiles.
+  const int64_t D = layout.head_dim, step_elems = D * 32;
+  struct PackJob {
+    const int32_t* table;
+    int64_t ctx, first_task, offset;  // its tasks: one a step and head; its packs in buf
+    size_t seg0, seg1;                // its sequence's segments
+  };
+  std::vector<PackJob> jobs;
+  int64_t pack_tasks = 0, pack_elems = 0;
+  for (size_t i = 0, j; i < segs.size(); i = j) {
+    const int32_t seq = index.token_seq[segs[i].t0];
+    int64_t ntok = 0;
+    for (j = i; j < segs.size() && index.token_seq[segs[j].t0] == seq; ++j) ntok += segs[j].ntok;
+    if (ntok <= 16 / G) continue;
+    const int64_t ctx = index.context_lens[segs[j - 1].t0 + segs[j - 1].ntok - 1];
+    jobs.push_back({index.tables + seq * index.table_stride, ctx, pack_tasks, pack_elems, i, j});
+    pack_tasks += (ctx + 31) / 32 * HKV;
+    pack_elems += (ctx + 31) / 32 * HKV * step_elems;  // [steps][HKV][step_elems]
+  }
+  thread_local std::vector<bf16_t> buf;  // this thread's (tasks run on others: use `base`)
+  buf.resize(pack_elems);
+  bf16_t* const base = buf.data();
+  std::vector<const bf16_t*> packs(segs.size(), nullptr);
+  for (const PackJob& job : jobs)
+    for (size_t m = job.seg0; m < job.seg1; ++m) packs[m] = base + job.offset;
+  const auto pack = D == 32 ? pack_v_step<32> : pack_v_step<64>;
+  parallel_tasks(pack_tasks, [&](Tasks& tasks) {
+    for (int64_t k; tasks.take(k);) {
+      const PackJob& job = *(std::upper_bound(jobs.begin(), jobs.end(), k, [](int64_t t,
+          const PackJob& b) { return t < b.first_task; }) - 1);
+      const int64_t local = k - job.first_task, step = local / HKV, h = local % HKV;
+      pack(v + h * D, job.table, layout.block_size * tok_stride, tok_stride, layout.block_size,
+           32 * step, job.ctx, base + job.offset + local * step_elems);
+    }
+  });
+
   const int64_t n = (int64_t)tiles_of.size() * HKV;
   const auto tile = layout.head_dim == 32 ? attend_tile_amx<32> : attend_tile_amx<64>;
   parallel_tasks(n, [&](Tasks& tasks) {
@@ -321,8 +382,8 @@ inline void paged_attention_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
       const int64_t task = n - 1 - k, h = task % HKV;
       const auto [first, count] = tiles_of[task / HKV];
       tile(q, q_tok, q_head, kv, v, layout.block_size * tok_stride, tok_stride,
-           layout.block_size, index, segs.data() + first, (int)count, h, G, H, scale, out,
-           tiles, scratch);
+           layout.block_size, index, segs.data() + first, packs.data() + first, (int)count, h,
+           G, H, scale, out, tiles, scratch);
     }
   });
 }
