@@ -4,10 +4,17 @@
     AccessMiddleware      keys (api/auth.py), before the body is read
     BodyMiddleware        the whole body, within MAX_BODY_BYTES (413) and the body deadline
                           (408), before any handler parses it
+
+A 413 ends the connection. Closing a socket with unread bytes in it sends a reset, and a client
+that writes its whole body before it reads (httpx, requests) then loses the response with it:
+so the rest of a too-large body is read and dropped first, up to LINGER_BYTES and LINGER_S
+(nginx's lingering close does the same after the response); past those the reset is the
+client's lot.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,6 +26,8 @@ from splitserve.errors import InvalidRequestError
 
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a 4 MiB JSON body holds far more than max_model_len
+LINGER_BYTES = MAX_BODY_BYTES  # dropped past the limit before a 413, at most
+LINGER_S = 2.0
 
 
 class RequestIdMiddleware:
@@ -106,6 +115,8 @@ async def _read_body(scope: Scope, receive: Receive) -> bytes:
     """The whole request body; RequestTooLarge past MAX_BODY_BYTES."""
     declared = Headers(scope=scope).get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        if int(declared) <= MAX_BODY_BYTES + LINGER_BYTES:
+            await _drop_body(receive, int(declared))
         raise RequestTooLarge(_too_large(int(declared)))
     chunks, size = [], 0
     while True:
@@ -115,11 +126,25 @@ async def _read_body(scope: Scope, receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
+            if message.get("more_body", False):
+                await _drop_body(receive, LINGER_BYTES)
             raise RequestTooLarge(_too_large(size))
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+async def _drop_body(receive: Receive, at_most: int) -> None:
+    """Reads the rest of a refused body and drops it, up to `at_most` bytes and LINGER_S."""
+    dropped = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while dropped < at_most:
+                message = await receive()
+                dropped += len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
 
 
 def _too_large(num_bytes: int) -> str:

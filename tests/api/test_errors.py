@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 from typing import Any
 
 import httpx2
@@ -307,4 +309,32 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(http: Any, fake: Any) 
     response = http.post("/v1/completions", content=chunks(),
                          headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and response.headers["x-request-id"]
+    assert not fake.requests
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_413_reaches_a_client_that_sends_its_whole_body_first(server_url: str, fake: Any,
+                                                                framing: str) -> None:
+    """The server drops the rest of a too-large body before it closes: closed on unread
+    bytes, the socket would reset, and the reset discards the 413 before the client reads
+    it (httpx writes the whole body first; CI saw it)."""
+    from splitserve.api.middleware import MAX_BODY_BYTES
+    body = b" " * (MAX_BODY_BYTES + 1024 * 1024)
+    if framing == "content-length":
+        head, wire = f"Content-Length: {len(body)}", body
+    else:
+        piece = 256 * 1024
+        wire = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + piece]), body[i:i + piece])
+                        for i in range(0, len(body), piece)) + b"0\r\n\r\n"
+        head = "Transfer-Encoding: chunked"
+    host, port = server_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     f"application/json\r\n{head}\r\n\r\n".encode() + wire)
+        time.sleep(0.3)  # the server has answered and closed by now
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert b"RequestEntityTooLargeError" in response
     assert not fake.requests
