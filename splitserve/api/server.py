@@ -5,8 +5,10 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `
     body -> (worker thread: parse, tokenize, template) GenerateRequest (request_builder)
          -> backend.generate -> deltas -> ResponseBuilder -> one JSON body, or SSE chunks
 and every failure is an exception that `errors.api_error` turns into an OpenAI error body.
-Parsing, tokenizing and template rendering run on `PROMPT_THREADS` threads, not on the
-event loop, so one huge prompt does not stall every other stream.
+Parsing, tokenizing and template rendering of a body over INLINE_BODY_BYTES run on
+`PROMPT_THREADS` threads, not on the event loop, so one huge prompt does not stall every
+other stream; a smaller one is prepared on the loop (a thread's round trip costs a request
+more than its work: two wake-ups, each waiting for a core the workers hold).
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # keep a second request moving while one renders a long conversation; more would only
 # queue CPU work on this machine's cores.
 PROMPT_THREADS = 2
+# Bodies up to this are parsed, tokenized and templated on the loop: ~4K tokens of text,
+# a couple of milliseconds at most.
+INLINE_BODY_BYTES = 16 * 1024
 T = TypeVar("T")
 
 
@@ -87,10 +92,14 @@ class OpenAIRoutes:
     async def create_completion(self, request: Request) -> Response:
         """OpenAI `POST /v1/completions` (one prompt; vLLM's sampling extensions)."""
         request_id = _request_id()
-        body = await self._off_loop(parse_body, CompletionRequest, await request.body())
+
+        def prepare(raw: bytes) -> tuple[CompletionRequest, GenerateRequest]:
+            body = parse_body(CompletionRequest, raw)
+            served_model(body.model, self.info)
+            return body, build_completion_request(body, request_id,
+                                                  _cache_scope(request, body), self.info)
+        body, generate = await self._prepare(prepare, await request.body())
         model = served_model(body.model, self.info)
-        generate = await self._off_loop(build_completion_request, body, request_id,
-                                        _cache_scope(request, body), self.info)
         builder = CompletionBuilder(request_id, model, int(time.time()), self.strings,
                                     with_logprobs=body.logprobs is not None,
                                     include_usage=_include_usage(body.stream_options),
@@ -100,10 +109,14 @@ class OpenAIRoutes:
     async def create_chat_completion(self, request: Request) -> Response:
         """OpenAI `POST /v1/chat/completions` (text content; vLLM's sampling extensions)."""
         request_id = _request_id()
-        body = await self._off_loop(parse_body, ChatCompletionRequest, await request.body())
+
+        def prepare(raw: bytes) -> tuple[ChatCompletionRequest, GenerateRequest]:
+            body = parse_body(ChatCompletionRequest, raw)
+            served_model(body.model, self.info)
+            return body, build_chat_request(body, request_id, _cache_scope(request, body),
+                                            self.info)
+        body, generate = await self._prepare(prepare, await request.body())
         model = served_model(body.model, self.info)
-        generate = await self._off_loop(build_chat_request, body, request_id,
-                                        _cache_scope(request, body), self.info)
         builder = ChatBuilder(request_id, model, int(time.time()), self.strings,
                               with_logprobs=bool(body.logprobs),
                               include_usage=_include_usage(body.stream_options),
@@ -111,11 +124,14 @@ class OpenAIRoutes:
         with fields_renamed({"prompt": "messages"}):  # the backend's prompt checks
             return await self._serve(request, generate, builder, bool(body.stream))
 
-    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
-        """`fn(*args)` on a prompt thread, in this request's context (its id in logs)."""
+    async def _prepare(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
+        """`prepare(raw)`: on the loop for a small body, else on a prompt thread in this
+        request's context (its id in logs)."""
+        if len(raw) <= INLINE_BODY_BYTES:
+            return prepare(raw)
         context = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(
-            self._prompt_threads, functools.partial(context.run, fn, *args))
+            self._prompt_threads, functools.partial(context.run, prepare, raw))
 
     async def list_models(self) -> ModelList:
         """Every served name, with the context limit (vLLM's `max_model_len`)."""

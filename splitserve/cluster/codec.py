@@ -28,12 +28,23 @@ from typing import Any
 from splitserve.errors import ProtocolError, SplitserveError
 
 Encoder = Callable[[Any], Any]
-Decoder = Callable[[Any, str], Any]  # (value, path for errors)
+Decoder = Callable[[Any], Any]  # raises _Invalid
 
-_SCALARS: dict[type, tuple[type, ...]] = {
-    int: (int,), float: (float, int), str: (str,), bool: (bool,), bytes: (bytes,),
-    type(None): (type(None),),
-}
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+class _Invalid(Exception):
+    """A value a decoder refuses. The path to it is only built if it is refused: each
+    container it is in adds its part (`.field`, `[i]`, `<Record>`) on the way out."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+        self.where: list[str] = []  # innermost first
+
+    def inside(self, part: str) -> _Invalid:
+        self.where.append(part)
+        return self
 
 
 class RecordCodec:
@@ -50,17 +61,28 @@ class RecordCodec:
         return [enc(getattr(record, name)) for name, enc, _ in self.fields]
 
     def decode(self, value: Any, path: str) -> Any:
-        if not isinstance(value, list) or len(value) != len(self.fields):
-            raise ProtocolError(f"{path}: {self.cls.__name__} takes {len(self.fields)} "
-                                f"fields, got {_describe(value)}")
-        kwargs = {name: dec(v, f"{path}.{name}")
-                  for (name, _, dec), v in zip(self.fields, value)}
+        """The record in `value`; ProtocolError naming the path (from `path`) if not."""
+        try:
+            return self.decode_value(value)
+        except _Invalid as exc:
+            raise ProtocolError(f"{path}{''.join(reversed(exc.where))}: {exc.why}") from None
+
+    def decode_value(self, value: Any) -> Any:
+        if type(value) is not list or len(value) != len(self.fields):
+            raise _Invalid(f"{self.cls.__name__} takes {len(self.fields)} fields, got "
+                           f"{_describe(value)}")
+        kwargs = {}
+        for (name, _, dec), v in zip(self.fields, value):
+            try:
+                kwargs[name] = dec(v)
+            except _Invalid as exc:
+                raise exc.inside(f".{name}") from None
         try:
             return self.cls(**kwargs)
         except SplitserveError as exc:  # the record's own validation
-            raise ProtocolError(f"{path}: {exc}") from None
+            raise _Invalid(str(exc)) from None
         except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"{path}: bad {self.cls.__name__}: {exc}") from None
+            raise _Invalid(f"bad {self.cls.__name__}: {exc}") from None
 
 
 _RECORDS: dict[type, RecordCodec] = {}
@@ -85,7 +107,7 @@ def codec_for(tp: Any) -> tuple[Encoder, Decoder]:
         return _enum(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         codec = record_codec(tp)
-        return codec.encode, codec.decode
+        return codec.encode, codec.decode_value
     if tp in _SCALARS:
         return _same, _scalar(tp)
     raise TypeError(f"no codec for {tp!r}")
@@ -96,38 +118,53 @@ def _same(v: Any) -> Any:
 
 
 def _scalar(tp: type) -> Decoder:
-    kinds = _SCALARS[tp]
+    # NOTE: exact types (msgpack makes no subclasses): an int field refuses True, which
+    # is an int in Python; a float field takes an int.
+    if tp is float:
+        def dec_float(v: Any) -> Any:
+            if type(v) is float:
+                return v
+            if type(v) is int:
+                return float(v)
+            raise _Invalid(f"expected float, got {_describe(v)}")
+        return dec_float
 
-    def dec(v: Any, path: str) -> Any:
-        # NOTE: bool is an int in Python; an int field must not take True.
-        if not isinstance(v, kinds) or (isinstance(v, bool) and tp is not bool):
-            raise ProtocolError(f"{path}: expected {tp.__name__}, got {_describe(v)}")
-        return float(typing.cast(float, v)) if tp is float else v
+    def dec(v: Any) -> Any:
+        if type(v) is not tp:
+            raise _Invalid(f"expected {tp.__name__}, got {_describe(v)}")
+        return v
     return dec
 
 
 def _enum(tp: type[enum.Enum]) -> tuple[Encoder, Decoder]:
-    def dec(v: Any, path: str) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ProtocolError(f"{path}: expected a {tp.__name__}, got {_describe(v)}")
+    def dec(v: Any) -> Any:
+        if type(v) is not int and type(v) is not str:
+            raise _Invalid(f"expected a {tp.__name__}, got {_describe(v)}")
         try:
             return tp(v)
         except ValueError:
-            raise ProtocolError(f"{path}: {v!r} is not a {tp.__name__}") from None
+            raise _Invalid(f"{v!r} is not a {tp.__name__}") from None
     return (lambda v: v.value), dec
 
 
 def _sequence(item: Any, origin: type) -> tuple[Encoder, Decoder]:
     enc_item, dec_item = codec_for(item)
-    simple = item in _SCALARS and item is not float
+    simple = item in _SCALARS and item is not float  # items are themselves when valid
 
     def enc(v: Any) -> Any:
         return list(v) if simple else [enc_item(x) for x in v]
 
-    def dec(v: Any, path: str) -> Any:
-        if not isinstance(v, list):
-            raise ProtocolError(f"{path}: expected a list, got {_describe(v)}")
-        out = [dec_item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    def dec(v: Any) -> Any:
+        if type(v) is not list:
+            raise _Invalid(f"expected a list, got {_describe(v)}")
+        if simple and all(type(x) is item for x in v):
+            return v if origin is list else tuple(v)
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(dec_item(x))
+            except _Invalid as exc:
+                raise exc.inside(f"[{i}]") from None
         return out if origin is list else tuple(out)
     return enc, dec
 
@@ -138,10 +175,16 @@ def _fixed_tuple(items: tuple[Any, ...]) -> tuple[Encoder, Decoder]:
     def enc(v: Any) -> Any:
         return [e(x) for (e, _), x in zip(parts, v)]
 
-    def dec(v: Any, path: str) -> Any:
-        if not isinstance(v, list) or len(v) != len(parts):
-            raise ProtocolError(f"{path}: expected {len(parts)} items, got {_describe(v)}")
-        return tuple(d(x, f"{path}[{i}]") for i, ((_, d), x) in enumerate(zip(parts, v)))
+    def dec(v: Any) -> Any:
+        if type(v) is not list or len(v) != len(parts):
+            raise _Invalid(f"expected {len(parts)} items, got {_describe(v)}")
+        out = []
+        for i, ((_, d), x) in enumerate(zip(parts, v)):
+            try:
+                out.append(d(x))
+            except _Invalid as exc:
+                raise exc.inside(f"[{i}]") from None
+        return tuple(out)
     return enc, dec
 
 
@@ -159,21 +202,23 @@ def _union(options: tuple[Any, ...]) -> tuple[Encoder, Decoder]:
             i = records.index(type(v))
             return [i, *codecs[i].encode(v)]
 
-        def dec_tagged(v: Any, path: str) -> Any:
+        def dec_tagged(v: Any) -> Any:
             if v is None and others:
                 return None
-            if not isinstance(v, list) or not v or type(v[0]) is not int \
+            if type(v) is not list or not v or type(v[0]) is not int \
                     or not 0 <= v[0] < len(codecs):
-                raise ProtocolError(f"{path}: expected [record tag, *fields], got "
-                                    f"{_describe(v)}")
-            return codecs[v[0]].decode(v[1:], f"{path}<{records[v[0]].__name__}>")
+                raise _Invalid(f"expected [record tag, *fields], got {_describe(v)}")
+            try:
+                return codecs[v[0]].decode_value(v[1:])
+            except _Invalid as exc:
+                raise exc.inside(f"<{records[v[0]].__name__}>") from None
         return enc_tagged, dec_tagged
     parts = [codec_for(o) for o in options]
     not_none = [part for o, part in zip(options, parts) if o is not type(None)]
     if len(not_none) == 1:  # X | None: errors inside X name their own path
         enc_x, dec_x = not_none[0]
         return ((lambda v: None if v is None else enc_x(v)),
-                (lambda v, path: None if v is None else dec_x(v, path)))
+                (lambda v: None if v is None else dec_x(v)))
 
     def enc(v: Any) -> Any:
         for option, (e, _) in zip(options, parts):
@@ -181,14 +226,14 @@ def _union(options: tuple[Any, ...]) -> tuple[Encoder, Decoder]:
                 return e(v)
         raise TypeError(f"{v!r} is none of {options}")
 
-    def dec(v: Any, path: str) -> Any:
+    def dec(v: Any) -> Any:
         for _, d in parts:
             try:
-                return d(v, path)
-            except ProtocolError:
+                return d(v)
+            except _Invalid:
                 continue
         names = " | ".join(getattr(o, "__name__", str(o)) for o in options)
-        raise ProtocolError(f"{path}: expected {names}, got {_describe(v)}")
+        raise _Invalid(f"expected {names}, got {_describe(v)}")
     return enc, dec
 
 

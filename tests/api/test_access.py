@@ -177,20 +177,25 @@ def test_cached_tokens_only_with_the_flag(serve_app: Callable[[HttpConfig], str]
 
 def test_tokenizing_runs_off_the_event_loop(http: httpx2.Client, fake: FakeBackend,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """While one request's prompt takes 1.5 s to tokenize, the server answers others."""
+    """While one request's prompt takes 1.5 s to tokenize, the server answers others. (A
+    body of at most INLINE_BODY_BYTES is prepared on the loop: this one is larger.)"""
+    from splitserve.api.server import INLINE_BODY_BYTES
     tokenizer = fake.model_info.tokenizer
     encode = tokenizer.encode
     entered = threading.Event()
+    slow_prompt = "slow"
+    big_body = json.dumps({**PROMPT, "prompt": slow_prompt}) + " " * INLINE_BODY_BYTES
 
     def slow_encode(text: str, *args: Any, **kwargs: Any) -> list[int]:
-        if text == "slow":
+        if text == slow_prompt:
             entered.set()
             time.sleep(1.5)  # holds the thread it runs on; never releases it to the loop
         return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", slow_encode)
     slow = threading.Thread(target=http.post, args=("/v1/completions",),
-                            kwargs={"json": {**PROMPT, "prompt": "slow"}})
+                            kwargs={"content": big_body,
+                                    "headers": {"Content-Type": "application/json"}})
     slow.start()
     assert entered.wait(5)
     t0 = time.monotonic()
@@ -200,4 +205,5 @@ def test_tokenizing_runs_off_the_event_loop(http: httpx2.Client, fake: FakeBacke
     waited = time.monotonic() - t0
     slow.join(10)
     assert waited < 0.75, f"the other requests waited {waited:.2f} s for the slow prompt"
-    assert [r.prompt_token_ids for r in fake.requests[-2:]] == [encode("Hello"), encode("slow")]
+    assert [r.prompt_token_ids for r in fake.requests[-2:]] == [encode("Hello"),
+                                                                encode(slow_prompt)]
