@@ -269,6 +269,23 @@ def measure_gemm_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048,
     return Ceiling(flop / median(times), flop / min(times), "FLOP/s")
 
 
+def measure_linear_flops(shapes: list[tuple[int, int]], rows: int, num_layers: int,
+                         dtype: torch.dtype = torch.bfloat16, reps: int = 7) -> Ceiling:
+    """FLOP/s of torch's own linear (oneDNN on CPU) over a model's projections: `rows`
+    rows through `num_layers` layers of distinct (out, in) weights, `shapes` per layer."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(num_layers)
+               for n, k in shapes]
+    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes}
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+    times = timed(run, reps, warmup=2)
+    flop = 2.0 * rows * num_layers * sum(n * k for n, k in shapes)
+    return Ceiling(flop / median(times), flop / min(times), "FLOP/s")
+
+
 def measure_dram_read_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Ceiling:
     """Bytes/s of reading a filled buffer of `nbytes` (fp32 sum), current thread count.
 

@@ -19,7 +19,9 @@ What is measured (default model SmolLM2-135M-Instruct, engine dtype bf16, 2 thre
   weights cast to bf16): prefill = one forward of 512 tokens (cache on, logits for the
   last position, as `generate` does); decode = a greedy loop with past_key_values;
 - the machine's ceilings: bf16 GEMM 2048^3 FLOP/s and DRAM read bandwidth (1 GiB filled
-  buffer), and the roofline bound of each engine figure from them.
+  buffer), and the roofline bound of each engine figure from them; beside them, torch's own
+  linear (oneDNN) over the model's projections at the prefill's 512 rows, the rate the
+  field's library reaches at these shapes, and the prefill's share of a bound built on it.
 Figures are medians over the repetitions (after a warm-up); min-max in brackets.
 """
 from __future__ import annotations
@@ -42,11 +44,13 @@ if _ROOT not in sys.path:
 try:
     from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes, command_line,
                                    machine_description, measure_dram_read_bandwidth,
-                                   measure_gemm_flops, now_utc, other_cpu_load, write_section)
+                                   measure_gemm_flops, measure_linear_flops, now_utc,
+                                   other_cpu_load, write_section)
 except ImportError:  # run as a plain script from benchmarks/
     from common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # type: ignore[no-redef]
                         command_line, machine_description, measure_dram_read_bandwidth,
-                        measure_gemm_flops, now_utc, other_cpu_load, write_section)
+                        measure_gemm_flops, measure_linear_flops, now_utc, other_cpu_load,
+                        write_section)
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -56,7 +60,7 @@ if _HERE not in sys.path:  # the sibling modules below
     sys.path.insert(0, _HERE)
 from engine_measure import (BATCH, DECODE_PROMPT_LEN, PREFILL_LEN, Figure,  # noqa: E402
                             bounds, engine_decode, engine_prefill, hf_decode, hf_prefill,
-                            load_hf_reference, random_prompts)
+                            load_hf_reference, model_shapes, random_prompts)
 from engine_profile import profile  # noqa: E402
 from engine_report import (BUSY_CORES, TARGETS, dtype_name, fmt_flops,  # noqa: E402
                            kernels_label, report)
@@ -234,9 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = ceiling_dtype(engine)
     gemm = guard(f"{dtype_label(dtype)} GEMM", lambda: measure_gemm_flops(dtype, 2048))
     dram = guard("DRAM read", lambda: measure_dram_read_bandwidth(1 << 30))
+    linears = guard("linears at the model's shapes", lambda: measure_linear_flops(
+        model_shapes(engine), PREFILL_LEN, engine.spec.num_layers, dtype))
     log(f"  {dtype_label(dtype)} GEMM 2048^3: {fmt_flops(gemm.best)} "
         f"(median {fmt_flops(gemm.median)}); "
-        f"DRAM read: {dram.best / 1e9:.1f} GB/s (median {dram.median / 1e9:.1f})")
+        f"DRAM read: {dram.best / 1e9:.1f} GB/s (median {dram.median / 1e9:.1f}); "
+        f"linears at the model's shapes: {fmt_flops(linears.best)}")
 
     engines = {f"**splitserve** ({dtype_name(engine)}, {kernels_label(engine)}, this run)": engine}
     if args.fast == "on" and engine.batch_invariant:
@@ -274,8 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"measured in {time.perf_counter() - t_start:.0f} s; other processes used "
         f"{load_during:.2f} cores on average meanwhile, {guard.discarded} measurement(s) redone")
 
+    at_shapes = bounds(engine, linears.best, dram.best, st.new_tokens)["prefill"]
     body = report(args, st, engine, results, (dtype_label(dtype), gemm), dram, bnds, around,
-                  load_before, guard, busy)
+                  load_before, guard, busy, (linears, at_shapes))
     print("\n" + body + "\n")
     if args.output != "-":
         write_section(args.output, "Engine", body, machine=machine_description(),

@@ -188,6 +188,14 @@ def model_counts(engine: LLMEngine) -> dict[str, float]:
             "attn_flop_per_key": float(4 * s.num_layers * s.num_heads * s.head_dim)}
 
 
+def model_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(out, in) of one layer's projections as the engine runs them: QKV and gate/up fused."""
+    s = engine.spec
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return [(q + 2 * kv, s.hidden_size), (s.hidden_size, q),
+            (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]
+
+
 def roofline(flop_per_token: float, tokens_per_step: int, bytes_per_step: float,
              flops: float, bandwidth: float) -> Bound:
     t_flop = flop_per_token * tokens_per_step / flops

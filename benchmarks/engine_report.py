@@ -64,10 +64,12 @@ def fmt_flops(x: float) -> str:
 def report(args: argparse.Namespace, st: Any, engine: LLMEngine,
            results: dict[str, dict[str, Figure]], gemm, dram,
            bnds: dict[str, dict[str, Bound]], around: dict[str, list[float]],
-           load_before: float, guard: Any, busy: list[str]) -> str:
+           load_before: float, guard: Any, busy: list[str],
+           at_shapes: tuple[Any, Bound] | None = None) -> str:
     """`bnds`: the roofline bounds of each exact-kernel row (the first is the default
     engine's, which the target rows use); `around`: DRAM bytes/s around each batch-1
-    repetition, by row."""
+    repetition, by row; `at_shapes`: oneDNN's rate over the model's projections at the
+    prefill's rows and the prefill bound at that rate."""
     names = {"prefill": f"prefill, {PREFILL_LEN}-token prompt",
              "decode_b1": "decode, batch 1", "decode_b32": f"decode, batch {BATCH}"}
     keys = list(TARGETS)
@@ -108,6 +110,17 @@ def report(args: argparse.Namespace, st: Any, engine: LLMEngine,
               f"{fmt_flops(gemm.best)} (best of 7; median {fmt_flops(gemm.median)}), DRAM read "
               f"(sum over a filled 1 GiB buffer) {dram.best / 1e9:.1f} GB/s (best of 7; median "
               f"{dram.median / 1e9:.1f}). Bounds use the best values.", ""]
+    if at_shapes is not None:
+        linears, shape_bound = at_shapes
+        prefill = next(iter(results.values()))["prefill"].value
+        lines[-1:] = [
+            "", f"At the model's own shapes ({PREFILL_LEN} rows through the {engine.spec.num_layers} "
+            f"layers' projections, distinct weights), torch's linear (oneDNN) ran "
+            f"{fmt_flops(linears.best)} (best of 7; median {fmt_flops(linears.median)}), "
+            f"{linears.best / gemm.best:.0%} of its 2048^3 rate: a prefill bound at that rate "
+            f"is {shape_bound.tok_s:,.0f} tok/s, of which the first row's prefill is "
+            f"{100 * prefill / shape_bound.tok_s:.0f}%. The targets stay on the 2048^3 bound.",
+            ""]
     brows = []
     for label, row_bounds in bnds.items():
         figs = results[label]
