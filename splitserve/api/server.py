@@ -93,13 +93,12 @@ class OpenAIRoutes:
         """OpenAI `POST /v1/completions` (one prompt; vLLM's sampling extensions)."""
         request_id = _request_id()
 
-        def prepare(raw: bytes) -> tuple[CompletionRequest, GenerateRequest]:
+        def prepare(raw: bytes) -> tuple[CompletionRequest, str, GenerateRequest]:
             body = parse_body(CompletionRequest, raw)
-            served_model(body.model, self.info)
-            return body, build_completion_request(body, request_id,
-                                                  _cache_scope(request, body), self.info)
-        body, generate = await self._prepare(prepare, await request.body())
-        model = served_model(body.model, self.info)
+            model = served_model(body.model, self.info)  # 404 before the prompt's checks
+            return body, model, build_completion_request(body, request_id,
+                                                         _cache_scope(request, body), self.info)
+        body, model, generate = await self._prepare(prepare, await request.body())
         builder = CompletionBuilder(request_id, model, int(time.time()), self.strings,
                                     with_logprobs=body.logprobs is not None,
                                     include_usage=_include_usage(body.stream_options),
@@ -110,13 +109,12 @@ class OpenAIRoutes:
         """OpenAI `POST /v1/chat/completions` (text content; vLLM's sampling extensions)."""
         request_id = _request_id()
 
-        def prepare(raw: bytes) -> tuple[ChatCompletionRequest, GenerateRequest]:
+        def prepare(raw: bytes) -> tuple[ChatCompletionRequest, str, GenerateRequest]:
             body = parse_body(ChatCompletionRequest, raw)
-            served_model(body.model, self.info)
-            return body, build_chat_request(body, request_id, _cache_scope(request, body),
-                                            self.info)
-        body, generate = await self._prepare(prepare, await request.body())
-        model = served_model(body.model, self.info)
+            model = served_model(body.model, self.info)  # 404 before the prompt's checks
+            return body, model, build_chat_request(body, request_id,
+                                                   _cache_scope(request, body), self.info)
+        body, model, generate = await self._prepare(prepare, await request.body())
         builder = ChatBuilder(request_id, model, int(time.time()), self.strings,
                               with_logprobs=bool(body.logprobs),
                               include_usage=_include_usage(body.stream_options),
