@@ -9,9 +9,9 @@ Nothing is unpickled; no message names a method.
     frontend -> worker: Generate, Prefill, KVPlan, Abort, ResyncKV, EvictBlocks, Shutdown,
                         InjectFault, CheckPool, Migrate, SwitchRole, PurgeTenant,
                         ExportPrefix, CancelImport
-    worker -> frontend: WorkerReady, Output, KVPlanReady, PrefillDone, RequestFailed,
-                        KVEventBatch, KVSnapshot, LoadReport, TransferReport, PoolReport,
-                        Detached, TenantPurged, TierEventBatch
+    worker -> frontend: WorkerReady, Output, OutputBatch, KVPlanReady, PrefillDone,
+                        RequestFailed, KVEventBatch, KVSnapshot, LoadReport, TransferReport,
+                        PoolReport, Detached, TenantPurged, TierEventBatch
     (the store's messages, PurgeTenant to CancelImport, are in cluster/protocol_store.py)
 
 A disaggregated request (DESIGN 3): the frontend sends Generate(await_kv) to the decode
@@ -207,6 +207,18 @@ class Output:
     num_cached_tokens: int
 
 
+# Outputs a worker sends in one OutputBatch at most (a step's outputs, in their order).
+MAX_OUTPUT_BATCH = 64
+
+
+@dataclass(slots=True)
+class OutputBatch:
+    """Several Outputs in one frame, as the worker made them (a step's, in order): the
+    frontend handles each as if it had come alone. One message, one CURVE box and one
+    wake-up a step instead of one per request."""
+    outputs: list[Output]
+
+
 @dataclass(slots=True)
 class KVPlanReady:
     request_id: str
@@ -322,7 +334,7 @@ Message = (Generate | Prefill | KVPlan | Abort | ResyncKV | EvictBlocks | Shutdo
            | InjectFault | CheckPool | WorkerReady | Output | KVPlanReady | PrefillDone
            | RequestFailed | KVEventBatch | KVSnapshot | LoadReport | TransferReport
            | PoolReport | Migrate | Detached | SwitchRole | PurgeTenant | TenantPurged
-           | TierEventBatch | ExportPrefix | CancelImport)
+           | TierEventBatch | ExportPrefix | CancelImport | OutputBatch)
 _TYPES: tuple[type, ...] = typing.get_args(Message)
 _CODECS: list[RecordCodec] = [record_codec(cls) for cls in _TYPES]
 _TAGS = {cls: tag for tag, cls in enumerate(_TYPES)}

@@ -117,6 +117,31 @@ def test_local_request_streams_and_draws_a_seed() -> None:
     run(scenario)
 
 
+def test_a_batch_of_outputs_is_merged_as_if_each_came_alone() -> None:
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        one = asyncio.create_task(collect(d.generate(request("r1"))))
+        two = asyncio.create_task(collect(d.generate(request("r2"))))
+        await w.expect(P.Generate)
+        await w.expect(P.Generate)
+        await w.send(P.OutputBatch([output("r1", 0, [7], 0, "a"), output("r2", 0, [4], 0, "c")]))
+        await w.send(P.OutputBatch([output("r1", 1, [8], 1, "b", finished=True),
+                                    output("r2", 1, [5], 1, "d", finished=True)]))
+        assert [x.token_ids for x in await one] == [[7], [8]]
+        assert [x.text for x in await two] == ["c", "d"]
+        assert not d.flights
+        # More than a step's worth is refused whole: nothing of it reaches a stream.
+        three = asyncio.create_task(collect(d.generate(request("r3"))))
+        await w.expect(P.Generate)
+        too_many = [output("r3", i, [i], i, "x") for i in range(P.MAX_OUTPUT_BATCH + 1)]
+        await w.send(P.OutputBatch(too_many))
+        await w.send(output("r3", 0, [9], 0, "z", finished=True))
+        assert [x.token_ids for x in await three] == [[9]]
+        assert d.metrics.registry.get_sample_value(
+            "splitserve_control_frames_dropped_total", {"reason": "refused"}) == 1
+    run(scenario)
+
+
 def test_remote_prefill_flow_merges_both_workers() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         p, dec = await workers(d, ctx, "prefill", "decode")

@@ -56,6 +56,9 @@ MESSAGES: list[P.Message] = [
                                  BlockRemoved((H2,))]),
     P.TenantPurged(4, [P.TierCount("host", 3, 1105920)], None),
     P.ExportPrefix("r2", list(range(32)), "ns", 30.0, "acme"), P.CancelImport("r2"),
+    P.OutputBatch([P.Output("r1", 4, [7], 9, "a", 4, None, False, None, None, 3, 0),
+                   P.Output("r2", 0, [8], 0, "b", 0, [SampledToken(8, -1.5, None)], True,
+                            "length", None, 5, 2)]),
 ]
 TAG = {type(m): msgpack.unpackb(P.encode(m))[0] for m in MESSAGES}
 
@@ -114,6 +117,9 @@ def _params(**changes: object) -> list[object]:
      r"kv_listener<KVListenerStats>.timed_out: expected int"),
     (_frame(P.Output, "r", 0, [1], 0, "", 0, [[1, None, [[1]]]], False, None, None, 1, 0),
      r"top_logprobs\[0\]: expected 2 items"),
+    (_frame(P.OutputBatch, [["r", 0, [1], 0, "", 0, None, False, None, None, 1, 0],
+                            ["r", 1, ["x"], 0, "", 0, None, False, None, None, 1, 0]]),
+     r"outputs\[1\].token_ids\[0\]: expected int"),
 ])
 def test_malformed_frames_are_refused(frame: bytes, why: str) -> None:
     with pytest.raises(ProtocolError, match=why):

@@ -59,6 +59,12 @@ class WorkerMessages:
             return
         if isinstance(msg, P.Output):
             self._on_output(worker, msg)
+        elif isinstance(msg, P.OutputBatch):
+            if len(msg.outputs) > P.MAX_OUTPUT_BATCH:
+                raise ProtocolError(f"OutputBatch of {len(msg.outputs)} outputs (at most "
+                                    f"{P.MAX_OUTPUT_BATCH})")
+            for out in msg.outputs:
+                self._on_output(worker, out)
         elif isinstance(msg, P.KVPlanReady):
             self._on_kv_plan(worker, msg)
         elif isinstance(msg, P.PrefillDone):

@@ -37,6 +37,7 @@ class RequestHandling:
     handoffs: Handoffs
     receiver: KVReceiver | None  # decode-capable roles only
     streams: dict[str, OutputStream]
+    outbox: list[P.Output]  # made this turn, not yet sent (Worker._flush_outputs)
     reserving: dict[str, tuple[P.Generate, float]]  # awaiting block room, until a deadline
     reports: Reports
     faults: FaultInjector
@@ -201,7 +202,8 @@ class RequestHandling:
                        f"failed streaming this request: {type(exc).__name__}: {exc}")
 
     def _send_output(self, out: RequestOutput, send: bool = True) -> None:
-        """Streams an engine output to the frontend (`send=False`: only counts it)."""
+        """Streams an engine output to the frontend (`send=False`: only counts it): queued
+        in the outbox, which goes out before any other message and at the end of the turn."""
         rid, stream = out.request_id, self.streams.get(out.request_id)
         if stream is None:
             return
@@ -213,7 +215,7 @@ class RequestHandling:
         elif stream.first_token_only and out.finished:  # a stop at token 1: no handoff
             if self.handoffs.end_early(rid):
                 self.engine.release_kv(rid)
-        self._send(stream.next_output(out))
+        self.outbox.append(stream.next_output(out))
         if out.finished:
             self.streams.pop(rid, None)
             self.reports.num_hit_tokens += out.num_cached_tokens

@@ -4,8 +4,8 @@
 
 The main thread is the engine thread. Each turn of its loop: take every pending message
 (waiting only when there is nothing to compute), run one engine step, move KV (sender
-and receiver polls), send outputs, KV events and, periodically, a load report that is
-also the heartbeat. Roles: `prefill` prefills and streams KV out, `decode` imports KV and
+and receiver polls), send outputs (the turn's in one OutputBatch), KV events and,
+periodically, a load report that is also the heartbeat. Roles: `prefill` prefills and streams KV out, `decode` imports KV and
 decodes, `both` (aggregated) does everything locally; every role can prefill locally,
 and every role can hand a decoding request over with its KV (Migrate: live migration).
 What each request message does, and the KV and outputs it moves, is in requests.py.
@@ -60,6 +60,7 @@ class Worker(RequestHandling):
         # frontend is gone (then this worker exits, or waits to be adopted: `_send`).
         self.member = Membership(spec, secret)
         self.streams = {}
+        self.outbox = []
         self.reserving = {}
         self.reports = Reports(spec.report_interval_s, spec.heartbeat_interval_s)
         self.stopping = False
@@ -82,6 +83,7 @@ class Worker(RequestHandling):
             self._move_kv(outputs)
             for out in outputs:
                 self._output(out)
+            self._flush_outputs()
             self._publish_events()
             if self.reports.is_due():
                 report = self.reports.load_report(
@@ -258,6 +260,7 @@ class Worker(RequestHandling):
         """Acts out a fired fault; True when the request `rid` must not go on here."""
         if fault is None:
             return False
+        self._flush_outputs()  # what was made before the fault was sent before it
         logger.warning("injected fault fires: %s at %s (request %s)", fault.kind, fault.point, rid)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -286,6 +289,16 @@ class Worker(RequestHandling):
             self._send(tier_batch)
 
     def _send(self, msg: P.Message) -> None:
+        self._flush_outputs()  # one socket, in order: the outputs made before go first
+        self._send_now(msg)
+
+    def _flush_outputs(self) -> None:
+        while self.outbox:
+            batch, self.outbox = (self.outbox[:P.MAX_OUTPUT_BATCH],
+                                  self.outbox[P.MAX_OUTPUT_BATCH:])
+            self._send_now(batch[0] if len(batch) == 1 else P.OutputBatch(batch))
+
+    def _send_now(self, msg: P.Message) -> None:
         # The frontend gone (a send timed out): drop the rest and exit, or
         # (outlive_frontend) end its requests next turn and wait for a new one's adopt().
         if not self.member.send(msg) and not self.spec.outlive_frontend:
