@@ -68,8 +68,9 @@ CLUSTER_ALLOWED = {
     "protocol_store": set(),  # the KV store's messages, re-exported by protocol
     "fault_spec": set(),  # InjectFault's payload: fault kinds and where they fire
     "auth": set(),  # control-plane keys (CURVE): shared by both ends and the runtimes
+    "heap": set(),  # a serving process's startup heap, frozen (frontend and workers)
     "router": {"codec", "protocol"},  # shared enums (Role); nothing of the other parts
-    "worker": {"protocol", "auth"},
+    "worker": {"protocol", "auth", "heap"},
     "runtime": {"worker", "protocol", "auth"},
     "frontend": {"protocol", "router", "auth"},
     "planner": {"protocol", "router"},  # pure sizing logic + its actuator (through Pools)

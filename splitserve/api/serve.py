@@ -20,6 +20,7 @@ from splitserve.api.http_protocol import uvicorn_config
 from splitserve.api.request_id import log_config
 from splitserve.api.server import build_app
 from splitserve.cluster.frontend.dispatcher import Dispatcher
+from splitserve.cluster.heap import freeze_startup_heap
 from splitserve.cluster.launcher import Cluster
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
@@ -120,6 +121,7 @@ async def serve(config: ServeConfig) -> None:
             app, config.http, host=config.host, port=config.port,
             log_config=log_config(config.log_level.upper()),
             timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
+        freeze_startup_heap("frontend")
         logger.info("serving %s on http://%s:%d (%s, %d workers on the %s runtime%s)",
                     info.served_model_names[0], config.host, config.port, cluster.config.mode,
                     len(cluster.handles), config.runtime,

@@ -316,6 +316,10 @@ def test_process_titles_and_clean_shutdown(start_server: Any) -> None:
     assert titles[server.proc.pid].startswith("splitserve-frontend")
     assert sorted(titles[p].split()[0] for p in pids) == ["splitserve-decode-0",
                                                           "splitserve-prefill-0"]
+    # Each process froze its startup heap before serving (cluster/heap.py).
+    frozen = re.findall(r"(\S+): froze the startup heap \((\d+) objects\)", server.log())
+    assert sorted(name for name, _ in frozen) == ["decode-0", "frontend", "prefill-0"], frozen
+    assert all(int(n) > 10_000 for _, n in frozen), frozen
     assert server.stop() == 0, server.log()
     time.sleep(0.5)
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and

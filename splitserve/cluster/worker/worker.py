@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import WorkerSecret
+from splitserve.cluster.heap import freeze_startup_heap
 from splitserve.cluster.protocol import FailureKind, FaultSpec
 from splitserve.cluster.worker.membership import Membership
 from splitserve.cluster.worker.reports import Reports
@@ -69,6 +70,7 @@ class Worker(RequestHandling):
     # -- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         engine = self.engine
+        freeze_startup_heap(self.spec.worker_id)  # before any request can arrive
         self._register()
         parent = os.getppid()
         while not self.stopping:
