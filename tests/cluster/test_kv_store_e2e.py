@@ -165,17 +165,35 @@ def test_the_router_sends_a_prefix_to_the_worker_holding_it_below_its_pool(
     def hits(worker: str) -> float:
         return _worker_hits(server, worker)
 
-    busy = threading.Thread(target=run, args=(_prompt(50)[:16], 360))
+    # The busy stream's 240-token prompt holds 15 of its worker's 24 blocks, so none of the
+    # 10-block prompts below fits there: they all go to the other worker. (Where both fit,
+    # the router spreads them over both, and the holder's share once fell short of pushing
+    # a out of its pool.) Paused (well inside the 30 s heartbeat timeout), the busy worker
+    # cannot end its stream, and free its blocks, before they are placed, however slow the
+    # machine.
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    decoding = threading.Event()
+
+    def stream() -> None:
+        for _ in client.completions.create(
+                model=model, prompt=_prompt(50) + _prompt(51)[:80], max_tokens=140,
+                temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            decoding.set()
+    busy = threading.Thread(target=stream)
     busy.start()  # on an idle cluster: the tie-breaker's worker (the first registered)
-    deadline = time.monotonic() + 30
-    while not (busy_on := [w["id"] for w in server.workers() if w["requests"]]):
-        assert time.monotonic() < deadline, server.log()
-        time.sleep(0.05)
-    holder = next(w["id"] for w in server.workers() if w["id"] != busy_on[0])
+    assert decoding.wait(60), server.log()
+    busy_on = [w for w in server.workers() if w["requests"]]
+    assert len(busy_on) == 1, busy_on
+    holder = next(w["id"] for w in server.workers() if w["id"] != busy_on[0]["id"])
     a = _prompt(1)
-    cold, _ = run(a)  # the busy worker decodes the long stream: a goes to the other
-    for seed in range(300, 306):  # also to the idle one: a leaves its pool
-        run(_prompt(seed))
+    os.kill(int(busy_on[0]["pid"]), signal.SIGSTOP)
+    try:
+        cold, _ = run(a)
+        for seed in range(300, 304):  # a leaves the holder's pool
+            run(_prompt(seed))
+    finally:
+        os.kill(int(busy_on[0]["pid"]), signal.SIGCONT)
     busy.join(300)
     assert not busy.is_alive()
     health = server.get_json("/admin/health")
@@ -183,8 +201,8 @@ def test_the_router_sends_a_prefix_to_the_worker_holding_it_below_its_pool(
     # Both idle: the router counts a's blocks in the holder's host tier and sends it there.
     assert run(a) == (cold, HIT_TOKENS)
     assert server.get_json("/admin/health")["index"]["routed_tier_blocks"] == 9
-    assert _wait_for(lambda: hits(holder) >= 9), (hits(holder), hits(busy_on[0]))
-    assert hits(busy_on[0]) == 0
+    assert _wait_for(lambda: hits(holder) >= 9), (hits(holder), hits(busy_on[0]["id"]))
+    assert hits(busy_on[0]["id"]) == 0
 
 
 def _wait_for(check: Any, timeout_s: float = 5.0) -> bool:
