@@ -160,6 +160,44 @@ def test_burst_spreads_until_load_reports_arrive() -> None:
     assert local(router.route(request(160, seed=9))) == ("b", RouteReason.AGGREGATED, 0)
 
 
+def test_a_request_stops_counting_when_its_worker_sends_its_last_output() -> None:
+    """A report counted r0 running on a; a sent r0's last output, and the next request
+    comes before a's next report: a is idle, not still running r0 (b decodes one)."""
+    router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load(running=1, used=5)))
+    r0 = request(160, rid="r0")
+    assert dispatch(router, r0).decode_worker == "a"
+    router.update_load("a", load(running=1, used=11))  # absorbs r0's share
+    assert local(router.route(request(160, seed=1)))[0] == "b"  # a looks as busy as b
+    router.on_worker_done("a", "r0")
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+    router.on_finished("r0")  # the frontend retires it: already done, nothing changes
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+    router.update_load("a", load(used=0))  # a's next report: r0 gone from it too
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+
+
+def test_done_before_any_report_takes_the_share_back() -> None:
+    router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load()))
+    assert dispatch(router, request(160, rid="r0")).decode_worker == "a"
+    assert local(router.route(request(160, seed=1)))[0] == "b"
+    router.on_worker_done("a", "r0")
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+
+
+def test_a_retired_request_without_its_last_output_waits_for_the_report() -> None:
+    """Aborted (no last output): the worker drops it from its next report; until then
+    the report's count stands."""
+    router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load(running=1)))
+    assert dispatch(router, request(160, rid="r0")).decode_worker == "a"
+    router.update_load("a", load(running=1, used=11))
+    router.on_finished("r0")
+    assert local(router.route(request(160, seed=1)))[0] == "b"
+    router.on_worker_done("a", "r0")  # a late last output changes nothing either
+    assert local(router.route(request(160, seed=1)))[0] == "b"
+    router.update_load("a", load())
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+
+
 def test_remote_dispatch_counts_on_both_workers() -> None:
     router = make(("p0", Role.PREFILL, load()), ("p1", Role.PREFILL, load()),
                   ("d0", Role.DECODE, load(running=8)), ("d1", Role.DECODE, load(running=8)))

@@ -145,6 +145,7 @@ class WorkerMessages:
             return
         if msg.finished:
             flight.done_workers.add(worker.identity)
+            self.router.on_worker_done(worker.worker_id, msg.request_id)
         self.routing.check_hit(flight, worker, msg.num_cached_tokens)
         try:
             delta = flight.merger.merge(msg)

@@ -5,7 +5,10 @@ Load reports lag: without the in-flight tally a burst of requests routed between
 reports would all see the same idle worker and land on it. `InFlight` adds what the
 router dispatched since the last report; a new report replaces the tally (it is taken
 after the worker received those requests), and a request that finishes before the next
-report takes its share back out.
+report takes its share back out. The other way round, a request the last report counted
+stops counting when the worker sends its last output (`done`), not at the next report: a
+closed-loop client's next request, milliseconds later, saw the worker still running the
+one before, and half of such requests went to a worker decoding something else.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ class WorkerState:
     decode_model: DecodeStepModel
     pending: dict[str, InFlight] = field(default_factory=dict)  # request id -> its share
     in_flight: InFlight = field(default_factory=InFlight)  # sum of `pending`
+    reported: dict[str, InFlight] = field(default_factory=dict)  # absorbed by a report
+    ended: InFlight = field(default_factory=InFlight)  # reported ones done since the report
     # (dispatch time, predicted seconds) of the prompts routed here to prefill locally,
     # kept for the TPOT horizon: together they stall this worker's running decodes.
     local_prefills: deque[tuple[float, float]] = field(default_factory=deque)
@@ -71,7 +76,8 @@ class WorkerState:
 
     @property
     def num_running(self) -> int:
-        return self.load.num_running + self.in_flight.num_running
+        return max(0, self.load.num_running + self.in_flight.num_running
+                   - self.ended.num_running)
 
     @property
     def num_waiting(self) -> int:
@@ -84,7 +90,8 @@ class WorkerState:
     @property
     def num_free_blocks(self) -> int:
         load = self.load
-        return load.kv_blocks_total - load.kv_blocks_used - self.in_flight.kv_blocks
+        return min(load.kv_blocks_total, load.kv_blocks_total - load.kv_blocks_used
+                   - self.in_flight.kv_blocks + self.ended.kv_blocks)
 
     def is_full(self) -> bool:
         """No room for another sequence (running + waiting >= max_num_seqs)."""
@@ -112,17 +119,32 @@ class WorkerState:
         return expired
 
     def report(self, load: WorkerLoad) -> None:
-        """A new load report replaces the in-flight tally."""
+        """A new load report replaces the in-flight tally and what ended since the last."""
         self.load = load
+        self.reported.update(self.pending)
         self.pending.clear()
         self.in_flight = InFlight()
+        self.ended = InFlight()
 
     def dispatch(self, request_id: str, share: InFlight) -> None:
         self.pending[request_id] = share
         self.in_flight.add(share, 1)
 
-    def finish(self, request_id: str) -> None:
-        """Take back a request's share if no report has absorbed it yet."""
+    def done(self, request_id: str) -> None:
+        """The worker sent the request's last output: it runs and holds its blocks no more,
+        whether or not a report counted it (the worker's next report will not)."""
         share = self.pending.pop(request_id, None)
         if share is not None:
             self.in_flight.add(share, -1)
+            return
+        share = self.reported.pop(request_id, None)
+        if share is not None:  # the last report counted it running (its blocks: at least these)
+            self.ended.add(InFlight(num_running=1, kv_blocks=share.kv_blocks), 1)
+
+    def finish(self, request_id: str) -> None:
+        """The request left the frontend: take back its share if no report has absorbed it
+        yet (one that did is the worker's to drop from its next report)."""
+        share = self.pending.pop(request_id, None)
+        if share is not None:
+            self.in_flight.add(share, -1)
+        self.reported.pop(request_id, None)

@@ -328,6 +328,14 @@ class Router:
         if req.tenant is not None:
             self.index.claim(req.block_hashes, req.tenant)
 
+    def on_worker_done(self, worker_id: str, request_id: str) -> None:
+        """`worker_id` sent the request's last output: it no longer counts there, even
+        before the worker's next load report (load.py)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.done(request_id)
+            self._refresh(worker_id)
+
     def on_finished(self, request_id: str) -> None:
         """The request finished, failed or was aborted: drop its in-flight share."""
         self._finished.record(self._clock())
