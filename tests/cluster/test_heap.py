@@ -31,7 +31,7 @@ def test_the_heap_is_collected_then_frozen(unfrozen: None) -> None:
     assert cycle() is not None
     frozen = freeze_startup_heap("test")
     assert cycle() is None, "garbage is collected, not frozen"
-    assert frozen == gc.get_freeze_count() >= len(kept)
+    assert frozen >= len(kept)  # (the count moves as other threads free frozen objects)
     tracked = {id(o) for o in gc.get_objects()}
     assert not any(id(o) in tracked for o in kept), "a full collection no longer walks them"
     fresh = _Node()
