@@ -26,10 +26,11 @@ class Backend(Protocol):
     model_info: ModelInfo
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        """Streams the request's deltas; the last has finished=True. Raises (possibly before
-        the first delta) InvalidRequestError (bad prompt, e.g. too long), AdmissionRejected
-        (overloaded: 429/503 + Retry-After), RequestTimeout, WorkerFailed. Closing the
-        iterator early (client gone) aborts the request on every worker."""
+        """Streams the request's deltas; the last has finished=True. The first may have no
+        tokens (`StreamDelta.placed`: the request is on its workers). Raises (possibly
+        before the first delta) InvalidRequestError (bad prompt, e.g. too long),
+        AdmissionRejected (overloaded: 429/503 + Retry-After), RequestTimeout, WorkerFailed.
+        Closing the iterator early (client gone) aborts the request on every worker."""
         ...
 
     def is_ready(self) -> bool:

@@ -154,7 +154,10 @@ class OpenAIRoutes:
     async def _serve(self, request: Request, generate: GenerateRequest,
                      builder: ResponseBuilder, stream: bool) -> Response:
         """Runs the generation, aborting it if the client leaves. Errors before the first
-        delta (admission, prompt checks) become HTTP errors even when streaming."""
+        delta (admission, prompt checks, the queue's deadline) become HTTP errors even when
+        streaming; a stream's response starts at its first delta, which the dispatcher sends
+        once the request is placed, so the head and the opening chunks are on the wire
+        during the prefill rather than after it (as vLLM's); later errors are events."""
         logger.info("%s: %d prompt tokens, max_tokens=%s, stream=%s, tenant=%s",
                     request.url.path, len(generate.prompt_token_ids),
                     generate.params.max_tokens, stream, generate.tenant)

@@ -80,12 +80,14 @@ async def sse_events(deltas: AsyncGenerator[StreamDelta, None], builder: Respons
     """
     try:
         async with contextlib.aclosing(deltas):
-            for chunk in builder.head():
-                yield _event(chunk.model_dump_json())
+            # The opening chunks (chat's role) go with the first token, in one write: clients
+            # such as vLLM's `bench serve` time the first token at the first chunk.
+            opening = b"".join(_event(chunk.model_dump_json()) for chunk in builder.head())
             async for delta in deltas:
                 event = builder.add(delta)
                 if event is not None:
-                    yield _event(event.model_dump_json())
+                    yield opening + _event(event.model_dump_json())
+                    opening = b""
             builder.check_finished()
             usage = builder.usage_chunk()
             if usage is not None:

@@ -43,6 +43,7 @@ class FakeBackend:
     requests: list[GenerateRequest] = field(default_factory=list)
     outcomes: dict[str, str] = field(default_factory=dict)  # id -> "finished" | "aborted"
     error_before: BaseException | None = None  # raised before the first delta
+    placed: bool = True  # open with the placement mark, as the dispatcher does
     error_at: tuple[int, BaseException] | None = None  # raised instead of delta i
     hang_at: int | None = None  # wait forever (until closed) instead of sending delta i
     last_finish_reason: str | None = None  # overrides the last delta's finish_reason
@@ -60,6 +61,7 @@ class FakeBackend:
         self.requests.clear()
         self.outcomes.clear()
         self.error_before = self.error_at = None
+        self.placed = True
         self.hang_at = self.last_finish_reason = None
         self.num_cached_tokens = 0
         self.ready = True
@@ -75,6 +77,8 @@ class FakeBackend:
         try:
             if self.error_before is not None:
                 raise self.error_before
+            if self.placed:
+                yield StreamDelta.placed(len(request.prompt_token_ids))
             for i, token_id in enumerate(ids):
                 await asyncio.sleep(0)
                 if self.hang_at == i:

@@ -262,6 +262,23 @@ def test_error_mid_stream_is_one_error_event_then_done(http: httpx2.Client, clie
     _still_serving(client)
 
 
+def test_an_error_after_placement_is_an_event_when_streaming(http: httpx2.Client,
+                                                             client: openai.OpenAI,
+                                                             fake: FakeBackend) -> None:
+    # placed, then the prefill times out: the streamed response has started (200, one
+    # error event, [DONE]); a non-streaming one still gets the status
+    fake.error_at = (0, RequestTimeout("the prefill took too long", stage="prefill"))
+    with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    error = json.loads(events[0])["error"]
+    assert (error["type"], error["code"]) == ("TimeoutError", 504)
+    _error(http.post("/v1/completions", json={"prompt": "Hi"}), 504)
+    fake.error_at = None
+    _still_serving(client)
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": [[-5, 1000000000]]}, "prompt"),
     ({"prompt": [1, 2, 10**9]}, "prompt"),

@@ -34,8 +34,22 @@ def test_streaming_client_leaving_mid_stream_aborts(http: httpx2.Client, client:
     assert client.completions.create(model="smollm2", prompt="Hi", max_tokens=1).choices
 
 
+def test_a_stream_starts_when_its_request_is_placed(http: httpx2.Client,
+                                                     fake: FakeBackend) -> None:
+    # hangs after the placement mark, before any token: the response's head is on the
+    # wire while the prompt would be prefilling; its first chunk waits for the first token
+    fake.hang_at = 0
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "placed-1"},
+                     json={"messages": CHAT, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert fake.outcomes.get(fake.last.request_id) is None  # still generating
+    assert _aborted(fake, fake.last.request_id)
+
+
 def test_streaming_client_leaving_before_the_first_delta_aborts(client: openai.OpenAI,
                                                                 fake: FakeBackend) -> None:
+    fake.placed = False  # a backend still placing the request
     fake.hang_at = 0
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=0.5).chat.completions.create(

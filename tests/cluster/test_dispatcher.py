@@ -99,7 +99,10 @@ def request(rid: str = "r1", max_tokens: int = 8) -> GenerateRequest:
 
 
 async def collect(stream: AsyncIterator[StreamDelta]) -> list[StreamDelta]:
-    return [delta async for delta in stream]
+    """The stream's deltas after its placement mark (checked to come first)."""
+    deltas = [delta async for delta in stream]
+    assert deltas and deltas[0].is_placement, deltas[:1]
+    return deltas[1:]
 
 
 def test_local_request_streams_and_draws_a_seed() -> None:
@@ -114,6 +117,21 @@ def test_local_request_streams_and_draws_a_seed() -> None:
         deltas = await task
         assert [x.token_ids for x in deltas] == [[7], [8]] and deltas[-1].finished
         assert not d.flights and d.health()["in_flight"] == 0
+    run(scenario)
+
+
+def test_a_stream_opens_with_its_placement_before_any_token() -> None:
+    # the HTTP layer starts a streamed response at it, while the worker prefills
+    async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
+        (w,) = await workers(d, ctx, "both")
+        stream = d.generate(request())
+        mark = await asyncio.wait_for(stream.__anext__(), 5.0)  # no output sent yet
+        assert mark.is_placement and mark.num_prompt_tokens == 3
+        await w.expect(P.Generate)
+        await w.send(output("r1", 0, [7], 0, "a", finished=True))
+        delta = await asyncio.wait_for(stream.__anext__(), 5.0)
+        assert delta.token_ids == [7] and not delta.is_placement
+        await stream.aclose()
     run(scenario)
 
 

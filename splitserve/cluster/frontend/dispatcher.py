@@ -127,6 +127,7 @@ class Dispatcher(WorkerMessages):
         outcome = Outcome.ERROR
         try:
             await self._place(flight)
+            yield StreamDelta.placed(len(request.prompt_token_ids))
             while True:
                 item = await flight.queue.get()
                 if isinstance(item, BaseException):

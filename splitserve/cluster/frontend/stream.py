@@ -49,6 +49,18 @@ class StreamDelta:
     num_cached_tokens: int  # prompt tokens served from a prefix cache
     num_output_tokens: int  # cumulative, after this delta
 
+    @classmethod
+    def placed(cls, num_prompt_tokens: int) -> StreamDelta:
+        """The delta a stream opens with once its request is on its workers: no tokens
+        yet. What refuses a request (admission, the queue's deadline) comes before it, so
+        the HTTP layer answers those with a status and starts a streamed response at it,
+        while the prompt is being prefilled, instead of at the first token."""
+        return cls([], "", None, False, None, None, num_prompt_tokens, 0, 0)
+
+    @property
+    def is_placement(self) -> bool:
+        return not self.token_ids and not self.text and not self.finished
+
 
 class DivergedOutput(ValueError):
     """An output's tokens at positions already streamed differ from the streamed ones (a
