@@ -71,3 +71,20 @@ def test_the_kernels_load_past_a_killed_builds_lock_file() -> None:
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() in kernels.ISAS
     assert not stale.exists()
+
+
+def test_each_checkout_builds_in_its_own_directory(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # the build records its sources' paths: two checkouts sharing a directory rebuilt it in
+    # turn (minutes each, under the lock), so their workers timed out starting
+    here = kernels.build_directory()
+    assert kernels.build_directory() == here  # the same checkout: the same directory
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for f in [*kernels._SRC.glob("*.cpp"), *kernels._SRC.glob("*.h")]:
+        (copy / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(kernels, "_SRC", copy)
+    other = kernels.build_directory()
+    assert other != here and other.name.startswith("splitserve_exact_")
+    (copy / "exact.cpp").write_bytes((copy / "exact.cpp").read_bytes() + b"\n// edited\n")
+    assert kernels.build_directory() not in (here, other)  # a change rebuilds, as before

@@ -11,7 +11,7 @@ machines (Sapphire Rapids and later) the linears and attention run on AMX tiles,
 batch-invariant too but with bits of their own (csrc/linear_amx.h, attention_amx.h): their
 fingerprint says so (`kernels_version()`).
 
-The C++ is compiled once per machine on first use (torch.utils.cpp_extension: g++ and
+The C++ is compiled once per checkout on first use (torch.utils.cpp_extension: g++ and
 ninja; ~1 minute) and cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
 `SPLITSERVE_CPU_ISA=avx2|avx512_bf16|amx_bf16` caps the ISA the kernels use (tests run
 each level the CPU has; `avx512_bf16` on an AMX machine gives the bits of every other
@@ -66,7 +66,7 @@ def load() -> ModuleType:
         if _module is None:
             from torch.utils import cpp_extension
             build_dir = build_directory()
-            logger.info("loading splitserve's exact CPU kernels (compiled once per machine)")
+            logger.info("loading splitserve's exact CPU kernels (compiled once per checkout)")
             with _build_lock(build_dir, BUILD_DEADLINE_S):
                 _module = cpp_extension.load(
                     name=build_dir.name, build_directory=str(build_dir),
@@ -86,10 +86,15 @@ def load() -> ModuleType:
 
 def build_directory() -> Path:
     """Where the kernels are built and cached: torch's extension directory, under a name
-    that carries a digest of every source and header (a change rebuilds)."""
+    that carries a digest of every source and header (a change rebuilds) and of where
+    they are. The build records the sources' paths, so two checkouts sharing one directory
+    (a git worktree, a CI clone beside a working copy) rebuilt it in turn, each for minutes
+    under the build lock, while the other's workers waited past their start-up timeout."""
     from torch.utils import cpp_extension
     files = sorted([*_SRC.glob("*.cpp"), *_SRC.glob("*.h")])
-    digest = hashlib.blake2b(b"".join(f.read_bytes() for f in files), digest_size=6).hexdigest()
+    digest = hashlib.blake2b(str(_SRC.resolve()).encode() + b"\0"
+                             + b"".join(f.read_bytes() for f in files),
+                             digest_size=6).hexdigest()
     return Path(cpp_extension._get_build_directory(f"splitserve_exact_{digest}", False))
 
 
