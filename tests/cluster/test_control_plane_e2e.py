@@ -5,6 +5,7 @@ checks what the runtime passes); and peers that connect to the frontend's contro
 address (on every worker's command line at start) get nothing in, counted in /metrics."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -114,14 +115,19 @@ def test_peers_without_a_registered_key_get_nothing_in(server: Any) -> None:
     for secret in (None, WorkerSecret.generate(ServerKeys.generate().public)):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A DEALER's send waits for a connection, and a refused handshake may leave it none
+        # (a CI run hung here for good): each send gets a deadline, and one that times out
+        # got nothing in either.
+        sock.setsockopt(zmq.SNDTIMEO, 2000)
         sock.setsockopt(zmq.ROUTING_ID, b"decode-0:1")
         if secret is not None:
             secret.connect(sock)
         sock.connect(address)
-        sock.send(P.encode(P.WorkerReady("decode-0", P.Role.DECODE, 1, "f" * 32, 16, 1, 16,
-                                         1, "tcp://127.0.0.1:1", 1)))
-        sock.send(P.encode(P.Output("cmpl-x", 0, [1], 0, "evil", 0, None, True, "stop", None,
-                                    1, 0)))
+        for msg in (P.WorkerReady("decode-0", P.Role.DECODE, 1, "f" * 32, 16, 1, 16, 1,
+                                  "tcp://127.0.0.1:1", 1),
+                    P.Output("cmpl-x", 0, [1], 0, "evil", 0, None, True, "stop", None, 1, 0)):
+            with contextlib.suppress(zmq.Again):
+                sock.send(P.encode(msg))
         socks.append(sock)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as raw:
