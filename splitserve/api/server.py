@@ -156,8 +156,9 @@ class OpenAIRoutes:
         """Runs the generation, aborting it if the client leaves. Errors before the first
         delta (admission, prompt checks, the queue's deadline) become HTTP errors even when
         streaming; a stream's response starts at its first delta, which the dispatcher sends
-        once the request is placed, so the head and the opening chunks are on the wire
-        during the prefill rather than after it (as vLLM's); later errors are events."""
+        once the request is placed, so the response's head is on the wire during the
+        prefill rather than after it (as vLLM's; its first chunk still waits for the first
+        token, streaming.sse_events); later errors are events."""
         logger.info("%s: %d prompt tokens, max_tokens=%s, stream=%s, tenant=%s",
                     request.url.path, len(generate.prompt_token_ids),
                     generate.params.max_tokens, stream, generate.tenant)
