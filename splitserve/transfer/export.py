@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,10 @@ class Export:
     thread owns every field but `channel`, `reader`, `in_step` and `send_spans`."""
 
     def __init__(self, plan: TransferPlan, header: BlobHeader, telemetry: TransferTelemetry,
-                 deadline: float) -> None:
+                 deadline: float, on_finish: Callable[[], None] | None = None) -> None:
         self.plan, self.header = plan, header
         self.mac = FrameMac(plan.key, plan.transfer_id)  # tags our frames, checks the replies
-        self.handle = TransferHandle(plan.transfer_id, plan.request_id, telemetry)
+        self.handle = TransferHandle(plan.transfer_id, plan.request_id, telemetry, on_finish)
         self.deadline = deadline  # transfer deadline == lease expiry of the held blocks
         self.jobs: queue.SimpleQueue[LayerJob | TrailerJob | None] = queue.SimpleQueue()
         self.layers_copied = 0

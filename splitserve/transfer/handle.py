@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.output import RequestOutput
@@ -41,11 +42,14 @@ class TransferHandle:
 
     The first terminal status wins: a late success after a failure (or the reverse) is
     ignored. `output` is the receiver's RequestOutput from `commit_kv` once DONE.
+    `on_finish` is called (from the finishing thread) when it becomes terminal.
     """
 
-    def __init__(self, transfer_id: str, request_id: str, telemetry: TransferTelemetry) -> None:
+    def __init__(self, transfer_id: str, request_id: str, telemetry: TransferTelemetry,
+                 on_finish: Callable[[], None] | None = None) -> None:
         self.transfer_id, self.request_id = transfer_id, request_id
         self.telemetry = telemetry
+        self._on_finish = on_finish
         self.output: RequestOutput | None = None
         self._status = TransferStatus(TransferState.PENDING)
         self._started = time.monotonic()
@@ -81,4 +85,6 @@ class TransferHandle:
             self.telemetry.error = type(error).__name__ if error is not None else None
             self.telemetry.total_s = time.monotonic() - self._started
             self._cond.notify_all()
-            return True
+        if self._on_finish is not None:
+            self._on_finish()
+        return True

@@ -49,6 +49,7 @@ from splitserve.transfer.mac import FrameMac, new_key
 from splitserve.transfer.packing import check_fits
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 from splitserve.transfer.transport import Channel, Listener, TransferState, scheme
+from splitserve.transfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class KVReceiver:
         self._recent: OrderedDict[str, tuple[TransferReply, bytes]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._activity = threading.Event()  # set by readers when poll() has work
+        self.wakeup = Wakeup()  # set by readers when poll() has work
         self._busy: set[Channel] = set()  # channels being read by a thread of ours
         self._num_drains = 0
         self.num_forged = 0  # headers that failed authentication
@@ -143,7 +144,7 @@ class KVReceiver:
         """Blocks until a transfer has work for `poll` (a verified layer, a trailer, an
         error) or `timeout_s` passed; lets an idle engine thread sleep instead of spinning.
         Deadlines are only noticed by `poll`, so keep `timeout_s` short (e.g. 50 ms)."""
-        return self._activity.wait(timeout_s)
+        return self.wakeup.wait(timeout_s)
 
     def poll(self) -> list[TransferHandle]:
         """Places verified layers, commits complete imports, fails broken or late ones
@@ -160,7 +161,7 @@ class KVReceiver:
         return self._gate.stats
 
     def _poll(self) -> list[TransferHandle]:
-        self._activity.clear()  # before looking: later reader events set it again
+        self.wakeup.clear()  # before looking: later reader events set it again
         now = time.monotonic()
         finished = []
         for imp in list(self._imports.values()):
@@ -202,6 +203,7 @@ class KVReceiver:
         for channel in channels:
             channel.close()  # wakes their readers
         self._poll()
+        self.wakeup.close()
 
     def _place(self, imp: _Import) -> None:
         t0 = time.perf_counter()
@@ -331,9 +333,9 @@ class KVReceiver:
             for layer in range(header.num_layers):
                 kv = reader.read_layer(header, layer, imp.deadline)
                 imp.verified.append((layer, kv))
-                self._activity.set()
+                self.wakeup.set()
             imp.trailer = reader.read_trailer(header, imp.deadline)
-            self._activity.set()
+            self.wakeup.set()
             tel.wire_s = time.monotonic() - wire_start
             tel.wire_bytes = reader.num_bytes
             tel.validate_s += reader.mac_s
@@ -347,7 +349,7 @@ class KVReceiver:
             verdict = self._verdict(imp.handle, ReplyOutcome.COMMITTED)
             self._send_reply(channel, verdict, reader.mac)
             return verdict.outcome == ReplyOutcome.COMMITTED
-        self._activity.set()
+        self.wakeup.set()
         # Failed: reply at once (nothing can commit any more: the error is set).
         assert imp.error is not None
         self._send_reply(channel, TransferReply(imp.plan.transfer_id, ReplyOutcome.REJECTED,

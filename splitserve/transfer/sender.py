@@ -31,6 +31,7 @@ from splitserve.transfer.layer_codec import Compression, layer_nbytes
 from splitserve.transfer.packing import build_header
 from splitserve.transfer.telemetry import TransferSide, TransferTelemetry
 from splitserve.transfer.transport import ChannelPool, scheme
+from splitserve.transfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class KVSender:
         self._chained = engine.layer_listener
         engine.layer_listener = self._on_layer
         self._channels = ChannelPool()  # open channels to receivers, kept between transfers
+        self.wakeup = Wakeup()  # set when a transfer ends: `poll` has KV to release
 
     # -- engine thread ------------------------------------------------------------------------
     def start(self, request_id: str, plan: TransferPlan, *, namespace: str | None = None,
@@ -104,6 +106,7 @@ class KVSender:
         """Call after every step with its outputs (and periodically when idle): ends the
         streams whose prefill finished, releases the KV of transfers that were answered,
         failed or whose lease expired. Returns the handles that finished since last time."""
+        self.wakeup.clear()  # before looking: a transfer ending later sets it again
         now = time.monotonic()
         for out in outputs:
             export = self._exports.get(out.request_id)
@@ -159,6 +162,7 @@ class KVSender:
         if self.engine.layer_listener == self._on_layer:
             self.engine.layer_listener = self._chained
         self._channels.close()
+        self.wakeup.close()
 
     # -- inside the forward pass (engine thread) --------------------------------------------
     def _on_layer(self, layer: int, batch: ScheduledBatch) -> None:
@@ -209,7 +213,8 @@ class KVSender:
             compression=compression.value, num_layers=header.num_layers,
             num_tokens=plan.end_token - plan.start_token,
             payload_bytes=layer_nbytes(shape, dtype, Compression.NONE) * header.num_layers)
-        export = Export(plan, header, telemetry, time.monotonic() + plan.timeout_s)
+        export = Export(plan, header, telemetry, time.monotonic() + plan.timeout_s,
+                        self.wakeup.set)
         fault = self._faults.pop(request_id, None)
         channels = self._channels if fault is None else FaultyChannels(self._channels, fault)
         export.thread = threading.Thread(target=export.run, args=(channels,), daemon=True,

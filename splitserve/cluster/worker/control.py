@@ -13,6 +13,7 @@ the worker exits rather than block its engine thread forever.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import zmq
 
@@ -36,9 +37,17 @@ class FrontendSocket:
         self.sock.connect(address)
         self.num_dropped = 0  # frames that were not a message
 
-    def receive(self, timeout_s: float) -> list[P.Message]:
-        """Every message pending, waiting up to `timeout_s` for the first."""
-        if not self.sock.poll(int(timeout_s * 1000)):
+    def receive(self, timeout_s: float, wake_fds: Sequence[int] = ()) -> list[P.Message]:
+        """Every message pending, waiting up to `timeout_s` for the first or for one of
+        `wake_fds` (transfer.wakeup.Wakeup) to become readable."""
+        if timeout_s > 0 and wake_fds:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            for fd in wake_fds:
+                poller.register(fd, zmq.POLLIN)
+            if self.sock not in dict(poller.poll(int(timeout_s * 1000))):
+                return []
+        elif not self.sock.poll(int(timeout_s * 1000)):
             return []
         out: list[P.Message] = []
         while True:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import WorkerSecret
@@ -35,8 +36,8 @@ class Membership:
         logger.error("the frontend took nothing for %g s", self._send_timeout_s)
         return False
 
-    def receive(self, timeout_s: float) -> list[P.Message]:
-        return self.link.receive(timeout_s)
+    def receive(self, timeout_s: float, wake_fds: Sequence[int] = ()) -> list[P.Message]:
+        return self.link.receive(timeout_s, wake_fds)
 
     def adopt(self, frontend_address: str, secret: WorkerSecret) -> None:
         """Any thread: join the frontend at `frontend_address` at the next turn."""

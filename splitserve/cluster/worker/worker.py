@@ -41,7 +41,7 @@ from splitserve.transfer.transport import get_transport
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # longest sleep with nothing to do (deadlines are checked this often)
-BUSY_WAIT_S = 0.002  # sleep while only transfers are in flight
+BUSY_WAIT_S = 0.002  # sleep while waiting for free blocks to import KV into
 
 
 class Worker(RequestHandling):
@@ -179,16 +179,22 @@ class Worker(RequestHandling):
             return []
 
     def _wait_s(self) -> float:
+        """How long the loop may sleep. Transfers in flight do not shorten it: their
+        threads wake it (`_wake_fds`) when there is KV to place, commit or release."""
         if self.engine.has_unfinished:
             return 0.0
-        busy = self.reserving or self.handoffs or self.sender.num_active or (
-            self.receiver and self.receiver.num_active)
-        return BUSY_WAIT_S if busy else IDLE_WAIT_S
+        return BUSY_WAIT_S if self.reserving else IDLE_WAIT_S
+
+    def _wake_fds(self) -> list[int]:
+        fds = [self.sender.wakeup.fileno()]
+        if self.receiver is not None:
+            fds.append(self.receiver.wakeup.fileno())
+        return fds
 
     def _receive(self, timeout_s: float) -> None:
         """Acts on every pending message (frames that are not one are dropped by
         FrontendSocket.receive); nothing a message raises ends the engine thread."""
-        for msg in self.member.receive(timeout_s):
+        for msg in self.member.receive(timeout_s, self._wake_fds()):
             try:
                 self._handle(msg)
             except Exception:  # _handle fails the request itself: this is the last guard
