@@ -229,7 +229,7 @@ class LLMEngine(EngineKV):
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         listener = self.layer_listener
-        return None if listener is None else (lambda layer: listener(layer, batch))
+        return None if listener is None else listener(batch)
 
     def _outputs(self, updated: list[Request], sampled: dict[str, SampledToken], num_computed: int
                  ) -> list[RequestOutput]:

@@ -18,8 +18,10 @@ As in vLLM v1, the connector has two roles, here seen from the engine's side:
       kv_layout                   what a layer of blocks looks like, and whose KV it is
       read_kv_layer(layer, ids)   a private copy of one layer of some blocks
       write_kv_layer(layer, ids, kv)
-      layer_listener              called after each layer of a step wrote its KV: a
-                                  sender streams layer i while layer i+1 computes
+      layer_listener(batch)       asked before each step; what it returns is called
+                                  after each layer of that step wrote its KV (a sender
+                                  streams layer i while layer i+1 computes), None: the
+                                  step runs its layers in one call
 
 Import (decode side):  add_request(await_kv) -> kv_import_target -> write_kv_layer per
 layer -> commit_kv, or fail_kv. Export (prefill side): add_request(hold_kv) -> the
@@ -39,8 +41,12 @@ from splitserve.engine.output import RequestOutput
 from splitserve.engine.request import RequestStatus
 from splitserve.kv_cache import BlockHash
 
-# (layer index, the step's batch): the batch's block tables say where each sequence's KV is.
-LayerListener = Callable[[int, ScheduledBatch], None]
+# Asked before each step with its batch (the block tables say where each sequence's KV
+# is): returns what to call with each layer's index once that layer wrote its KV, or None
+# when nothing in this step needs its KV between layers. A step with a callback runs its
+# layers one call each (the exact path's C++ stack otherwise runs them in one), so a
+# listener returns None whenever it can.
+LayerListener = Callable[[ScheduledBatch], Callable[[int], None] | None]
 
 
 class KVRange(NamedTuple):

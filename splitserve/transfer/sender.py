@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.engine.batch import ScheduledBatch
 from splitserve.engine.kv_connector import KVConnector
@@ -55,10 +55,8 @@ class KVSender:
         self.num_released = 0  # requests whose held KV this sender freed (exactly once each)
         self._exports: dict[str, Export] = {}
         self._faults: dict[str, WireFault] = {}  # armed, by request id (fault injection)
-        self._streaming: list[tuple[Export, list[int]]] = []
-        self._streaming_batch: ScheduledBatch | None = None
         self._chained = engine.layer_listener
-        engine.layer_listener = self._on_layer
+        engine.layer_listener = self._on_step
         self._channels = ChannelPool()  # open channels to receivers, kept between transfers
         self.wakeup = Wakeup()  # set when a transfer ends: `poll` has KV to release
 
@@ -159,21 +157,28 @@ class KVSender:
             del self._exports[request_id]
             if export.thread is not None:
                 export.thread.join(timeout=5)
-        if self.engine.layer_listener == self._on_layer:
+        if self.engine.layer_listener == self._on_step:
             self.engine.layer_listener = self._chained
         self._channels.close()
         self.wakeup.close()
 
-    # -- inside the forward pass (engine thread) --------------------------------------------
-    def _on_layer(self, layer: int, batch: ScheduledBatch) -> None:
-        if self._chained is not None:
-            self._chained(layer, batch)
-        if not self._exports:
-            return
-        if batch is not self._streaming_batch:  # first layer of a new step
-            self._streaming_batch = batch
-            self._streaming = self._streams_completing_in(batch)
-        for export, block_ids in self._streaming:
+    # -- before and inside the forward pass (engine thread) ----------------------------------
+    def _on_step(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        """The layer callback for a step that completes a streamed prompt; None for any
+        other step, so it runs its layers in one call."""
+        chained = self._chained(batch) if self._chained is not None else None
+        streams = self._streams_completing_in(batch) if self._exports else []
+        if not streams:
+            return chained
+
+        def on_layer(layer: int) -> None:
+            if chained is not None:
+                chained(layer)
+            self._copy_layer(layer, streams)
+        return on_layer
+
+    def _copy_layer(self, layer: int, streams: list[tuple[Export, list[int]]]) -> None:
+        for export, block_ids in streams:
             if export.layers_copied != layer:
                 continue
             t0 = time.perf_counter()

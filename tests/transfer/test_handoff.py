@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.batch import RunnerOutput, ScheduledBatch
 from splitserve.errors import KVImportError
 from splitserve.transfer.layer_codec import Compression
 from splitserve.transfer.transport import TransferState
@@ -73,6 +74,32 @@ def test_chunked_prefill_streams_during_the_last_chunk(make_pair: Callable[..., 
     pair = make_pair("inproc", a_kwargs={"max_num_batched_tokens": 16})
     prompt = list(range(4000, 4045))  # 3 prefill steps on A
     tokens, send, _ = pair.handoff("c", prompt, GREEDY)
+    assert tokens == reference(prompt, GREEDY)
+    assert send.telemetry.layers_during_compute == NUM_LAYERS
+
+
+def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
+        make_pair: Callable[..., Pair], reference: Callable,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender hands the engine a per-layer callback for the step that computes a
+    streamed prompt's last token and for no other: any other step (another request's, an
+    earlier chunk) runs its layers in one call (the exact path's fast form)."""
+    pair = make_pair("inproc", a_kwargs={"max_num_batched_tokens": 16})
+    per_layer: list[bool] = []
+    execute = pair.a.engine.runner.execute
+
+    def noting(batch: ScheduledBatch,
+               on_layer_end: Callable[[int], None] | None = None) -> RunnerOutput:
+        per_layer.append(on_layer_end is not None)
+        return execute(batch, on_layer_end)
+
+    monkeypatch.setattr(pair.a.engine.runner, "execute", noting)
+    pair.a.generate(list(range(4100, 4120)), SamplingParams(max_tokens=3))  # no transfer
+    assert per_layer and not any(per_layer)
+    per_layer.clear()
+    prompt = list(range(4000, 4045))  # 3 prefill steps on A
+    tokens, send, _ = pair.handoff("c", prompt, GREEDY)
+    assert per_layer == [False, False, True]
     assert tokens == reference(prompt, GREEDY)
     assert send.telemetry.layers_during_compute == NUM_LAYERS
 
