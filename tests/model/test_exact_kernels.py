@@ -126,6 +126,25 @@ def test_attention_is_per_token_and_block_layout_free(ops, isas: list[int], head
         assert torch.equal(alone[0], got[t]), t
 
 
+def test_silu_mul_gives_its_formulas_bits_for_every_bf16_gate(ops, isas: list[int]) -> None:
+    """The AVX-512 rows look SiLU up in a table of every bf16 gate's value (built with the
+    formula's own code); the AVX2 rows compute the formula. Every non-NaN bf16 gate, times
+    a few ups, must give the same bits both ways."""
+    if len(isas) < 2:
+        pytest.skip("the table is the AVX-512 path's; this CPU runs only AVX2")
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = gates[~torch.isnan(gates.float())]
+    pad = -gates.numel() % 1536
+    gates = torch.cat([gates, gates[:pad]]).reshape(-1, 1536)  # 43 rows of 1,536
+    for up in (1.0, -3.5, 2.0 ** -7, 0.0):
+        gate_up = torch.cat([gates, torch.full_like(gates, up)], dim=1).contiguous()
+        outs = []
+        for isa in isas:
+            ops.set_isa(isa)
+            outs.append(kernels.silu_mul(gate_up).view(torch.int16))
+        assert all(torch.equal(o, outs[0]) for o in outs), up
+
+
 def _norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm in bf16."""
     h = x.float()

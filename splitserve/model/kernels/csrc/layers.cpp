@@ -6,11 +6,17 @@
 //              r = 1 / sqrt(ss / H + eps)                  (correctly rounded)
 //              y = bf16(w * bf16(h * r))                   (HF's LlamaRMSNorm order)
 //   silu_mul:  y = bf16(bf16(g / (1 + exp(-g))) * u)       for gate_up = [g | u]
+//
+// g is a bf16, so bf16(g / (1 + exp(-g))) takes one of 65,536 values: the AVX-512 path
+// computes them once, with the formula's own code under the step's MXCSR, into a table
+// (256 KB of fp32, L2-resident) and gathers from it, the same bits without an exp and a
+// division per element (those were 6% of a one-thread 512-token prefill step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 #include "ops.h"
@@ -61,12 +67,36 @@ AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t*
   }
 }
 
+// bf16(g / (1 + exp(-g))) for 16 gates.
+AVX512_TARGET inline __m512 silu16(__m512 g) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
+
+// silu16 of every bf16 bit pattern, as fp32 (NaN payloads kept), indexed by the pattern.
+AVX512_TARGET void fill_silu_table(float* t) {
+  FlushDenormals guard;  // as in silu_mul_into's rows
+  for (int32_t i = 0; i < 65536; i += 16) {
+    const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i),
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    _mm512_storeu_ps(t + i, silu16(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))));
+  }
+}
+
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    fill_silu_table(t.data());
+    return t;
+  }();
+  return table.data();
+}
+
 AVX512_TARGET void silu_mul_row_avx512(const bf16_t* gu, int64_t I, bf16_t* y) {
-  const __m512 one = _mm512_set1_ps(1.f);
+  const float* table = silu_table();
   for (int64_t c = 0; c < I; c += 16) {
-    const __m512 g = bf16x16_to_f32(gu + c);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gu + c)));
+    const __m512 s = _mm512_i32gather_ps(g, table, 4);
     _mm256_storeu_si256((__m256i*)(y + c),
                         f32x16_to_bf16(_mm512_mul_ps(s, bf16x16_to_f32(gu + I + c))));
   }
@@ -105,6 +135,7 @@ void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight
 }
 
 void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y) {
+  if (get_isa() >= 2) silu_table();  // built here, not by the first of several threads
   const auto row = get_isa() >= 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;

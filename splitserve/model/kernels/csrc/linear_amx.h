@@ -17,6 +17,7 @@
 #include <unistd.h>
 #include <cpuid.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common.h"
@@ -73,14 +74,45 @@ class AmxTiles {
   int rows_ = 0;
 };
 
+// A pass's accumulators still to be stored as bf16 rows: unit i is row i % rows of
+// block i / rows (y = bf16(acc * scale + bias), each step only where given, as the
+// AVX-512 micro-kernel stores its accumulators). The next pass converts them a few units
+// per k step while its tile products run, so the conversion overlaps the tiles instead
+// of waiting between passes.
+struct AmxPending {
+  const float* acc = nullptr;  // [nb][16 rows][16]
+  int rows = 0, nb = 0, next = 0;
+  const float* scale = nullptr;
+  const float* bias = nullptr;
+  bf16_t* y = nullptr;
+  int64_t ldy = 0, n_valid = 0;
+  int left() const { return rows * nb - next; }
+};
+
+AMX_TARGET inline void amx_store_units(AmxPending& p, int count) {
+  for (const int end = p.next + std::min(count, p.left()); p.next < end; ++p.next) {
+    const int c = p.next / p.rows, r = p.next % p.rows;
+    const int64_t n0 = c * kLanes, left = p.n_valid - n0;
+    if (left <= 0) continue;
+    const __mmask16 m = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    __m512 v = _mm512_loadu_ps(p.acc + (c * kAmxRows + r) * kLanes);
+    if (p.scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, p.scale + n0));
+    if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, p.bias + n0));
+    _mm256_mask_storeu_epi16(p.y + r * p.ldy + n0, m, f32x16_to_bf16(v));
+  }
+}
+
 // acc [NB][16 rows][16] fp32 = the tile products of `rows` rows of x (leading dimension
 // ldx) with NB blocks of a group ([KP][nb][16][2], `pair_stride` elements per k pair),
-// over K (a multiple of 32). The tiles must be configured for `rows` rows.
+// over K (a multiple of 32). The tiles must be configured for `rows` rows. `pending` (the
+// last pass's accumulators, not `acc`) is stored meanwhile, all of it before `acc` is.
 template <int NB>
 AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf16_t* w,
-                               int64_t pair_stride, float* acc, bool stream) {
+                               int64_t pair_stride, float* acc, bool stream,
+                               AmxPending& pending) {
   const int64_t x_stride = ldx * (int64_t)sizeof(bf16_t);
   const int64_t w_stride = pair_stride * (int64_t)sizeof(bf16_t);
+  const int per_step = (int)((pending.left() + K / kAmxK - 1) / (K / kAmxK));
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (NB > 2) _tile_zero(2);
@@ -106,7 +138,9 @@ AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf
       _tile_loadd(6, wk + 6 * kLanes, w_stride);
       _tile_dpbf16ps(3, 4, 6);
     }
+    amx_store_units(pending, per_step);
   }
+  amx_store_units(pending, pending.left());
   constexpr int64_t kTile = kAmxRows * kLanes;  // floats of one C tile
   _tile_stored(0, acc, kLanes * sizeof(float));
   if constexpr (NB > 1) _tile_stored(1, acc + kTile, kLanes * sizeof(float));
@@ -114,40 +148,26 @@ AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf
   if constexpr (NB > 3) _tile_stored(3, acc + 3 * kTile, kLanes * sizeof(float));
 }
 
-// y rows = bf16(acc * scale + bias) for the tile's `rows` rows, each step only where given,
-// as the AVX-512 micro-kernel stores its accumulators.
-AMX_TARGET inline void amx_store(const float* acc, int rows, int nb, const float* scale,
-                                 const float* bias, bf16_t* y, int64_t ldy, int64_t n_valid) {
-  for (int c = 0; c < nb; ++c) {
-    const int64_t n0 = c * kLanes, left = n_valid - n0;
-    if (left <= 0) break;
-    const __mmask16 m = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 sv = scale ? _mm512_maskz_loadu_ps(m, scale + n0) : _mm512_setzero_ps();
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      __m512 v = _mm512_loadu_ps(acc + (c * kAmxRows + r) * kLanes);
-      if (scale) v = _mm512_mul_ps(v, sv);
-      if (bias) v = _mm512_add_ps(v, bv);
-      _mm256_mask_storeu_epi16(y + r * ldy + n0, m, f32x16_to_bf16(v));
-    }
-  }
-}
-
-// Rows [0, rows) of y for one group of nb blocks: 16 rows per tile pass.
+// Rows [0, rows) of y for one group of nb blocks: 16 rows per tile pass, each pass's
+// accumulators stored while the next pass runs (two buffers in turn).
 AMX_TARGET inline void amx_rows(AmxTiles& tiles, const bf16_t* x, int64_t K, const bf16_t* w,
                                 int nb, const float* scale, const float* bias, bf16_t* y,
                                 int64_t ldy, int64_t n_valid, int64_t rows) {
-  alignas(64) float acc[4 * kAmxRows * kLanes];
-  using Fn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, float*, bool);
+  alignas(64) float acc[2][4 * kAmxRows * kLanes];
+  using Fn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, float*, bool,
+                      AmxPending&);
   static constexpr Fn kBlocks[4] = {amx_block_rows<1>, amx_block_rows<2>, amx_block_rows<3>,
                                     amx_block_rows<4>};
+  AmxPending pending;
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int m = (int)std::min<int64_t>(kAmxRows, rows - r);
+    float* out = acc[(r / kAmxRows) % 2];
     tiles.configure(m);
     // The task's first pass reads the group from DRAM, its later passes from L2.
-    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, acc, r == 0);
-    amx_store(acc, m, nb, scale, bias, y + r * ldy, ldy, n_valid);
+    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, out, r == 0, pending);
+    pending = AmxPending{out, m, nb, 0, scale, bias, y + r * ldy, ldy, n_valid};
   }
+  amx_store_units(pending, pending.left());
 }
 
 }  // namespace exact
