@@ -123,6 +123,7 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
   parallel_tasks(groups * row_chunks, [&](Tasks& tasks) {
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
     AmxTiles tiles;  // configured on first use, released at the end
+    AmxStage stage;  // AMX: the last tile pass's rows are stored during the next one
     std::vector<float> panel;  // AVX2: the group widened to fp32 (run_panels)
     std::vector<bf16_t> widened;  // AVX-512, AMX: an int8 group widened to bf16
     for (int64_t task; tasks.take(task);) {
@@ -149,8 +150,8 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
         w16 = widened.data();
       }
       if (amx) {
-        amx_rows(tiles, xp + r0 * K, K, w16 ? w16 : reinterpret_cast<const bf16_t*>(w), nb,
-                 sc, bi, yp + r0 * N + n0, N, n_valid, r_end - r0);
+        amx_rows(tiles, stage, xp + r0 * K, K, w16 ? w16 : reinterpret_cast<const bf16_t*>(w),
+                 nb, sc, bi, yp + r0 * N + n0, N, n_valid, r_end - r0);
         continue;
       }
       for (int64_t r = r0; r < r_end; r += kMaxRows) {
@@ -164,6 +165,7 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
         }
       }
     }
+    if (amx) stage.finish();
   });
 }
 

@@ -148,26 +148,33 @@ AMX_TARGET void amx_block_rows(const bf16_t* x, int64_t ldx, int64_t K, const bf
   if constexpr (NB > 3) _tile_stored(3, acc + 3 * kTile, kLanes * sizeof(float));
 }
 
-// Rows [0, rows) of y for one group of nb blocks: 16 rows per tile pass, each pass's
-// accumulators stored while the next pass runs (two buffers in turn).
-AMX_TARGET inline void amx_rows(AmxTiles& tiles, const bf16_t* x, int64_t K, const bf16_t* w,
-                                int nb, const float* scale, const float* bias, bf16_t* y,
-                                int64_t ldy, int64_t n_valid, int64_t rows) {
+// One thread's two accumulator buffers and the pass whose rows are still to be stored:
+// a pass is stored while the thread's next one runs, in the same task or the next; call
+// `finish` after the thread's last task.
+struct AmxStage {
   alignas(64) float acc[2][4 * kAmxRows * kLanes];
+  AmxPending pending;
+  int64_t passes = 0;
+  float* next_buffer() { return acc[passes++ % 2]; }
+  AMX_TARGET void finish() { amx_store_units(pending, pending.left()); }
+};
+
+// Rows [0, rows) of y for one group of nb blocks: 16 rows per tile pass.
+AMX_TARGET inline void amx_rows(AmxTiles& tiles, AmxStage& stage, const bf16_t* x, int64_t K,
+                                const bf16_t* w, int nb, const float* scale, const float* bias,
+                                bf16_t* y, int64_t ldy, int64_t n_valid, int64_t rows) {
   using Fn = void (*)(const bf16_t*, int64_t, int64_t, const bf16_t*, int64_t, float*, bool,
                       AmxPending&);
   static constexpr Fn kBlocks[4] = {amx_block_rows<1>, amx_block_rows<2>, amx_block_rows<3>,
                                     amx_block_rows<4>};
-  AmxPending pending;
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int m = (int)std::min<int64_t>(kAmxRows, rows - r);
-    float* out = acc[(r / kAmxRows) % 2];
+    float* out = stage.next_buffer();
     tiles.configure(m);
     // The task's first pass reads the group from DRAM, its later passes from L2.
-    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, out, r == 0, pending);
-    pending = AmxPending{out, m, nb, 0, scale, bias, y + r * ldy, ldy, n_valid};
+    kBlocks[nb - 1](x + r * K, K, K, w, nb * 2 * kLanes, out, r == 0, stage.pending);
+    stage.pending = AmxPending{out, m, nb, 0, scale, bias, y + r * ldy, ldy, n_valid};
   }
-  amx_store_units(pending, pending.left());
 }
 
 }  // namespace exact
