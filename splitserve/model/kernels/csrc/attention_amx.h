@@ -232,14 +232,17 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
     const int32_t* table = table_of(segs[s]);
     const int64_t L16 = (seg_len(segs[s]) + 15) / 16 * 16;
     const __mmask16 lanes = (__mmask16)(((1u << row0[s + 1]) - 1) & ~((1u << row0[s]) - 1));
+    _tile_loadd(5, sc.qt.data(), 64);  // Q^T stays in tiles 5 (and 6) for every key tile
+    if constexpr (kDc > 1) _tile_loadd(6, sc.qt.data() + 16 * 16, 64);
     for (int64_t l0 = 0; l0 < L16; l0 += 16) {
       const bf16_t* kb = group(table, k, l0);
       if (l0 + 32 < L16) prefetch_16_rows<D>(group(table, k, l0 + 32), tok_stride);  // 2 tiles ahead
       _tile_zero(0);
-      for (int c = 0; c < kDc; ++c) {
-        _tile_loadd(4, kb + 32 * c, tok_stride * (int64_t)sizeof(bf16_t));
-        _tile_loadd(5, sc.qt.data() + c * 16 * 16, 64);
-        _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(4, kb, tok_stride * (int64_t)sizeof(bf16_t));
+      _tile_dpbf16ps(0, 4, 5);
+      if constexpr (kDc > 1) {
+        _tile_loadd(7, kb + 32, tok_stride * (int64_t)sizeof(bf16_t));
+        _tile_dpbf16ps(0, 7, 6);
       }
       if (nsegs == 1) {
         _tile_stored(0, sc.st.data() + l0 * 16, 64);

@@ -45,7 +45,7 @@ constexpr int64_t kAmxK = 32;     // k per tile step: 16 pairs
 constexpr int64_t kAmxRows = 16;  // rows of one A / C tile
 
 // One thread's tile configuration: C tiles 0-3 (one per 16-column block), A tile 4, B tiles
-// 5 and 6, all 64 bytes wide; A and C hold `rows` rows. Released (tiles back to their init
+// 5 and 6 (and 7, attention's second key tile), all 64 bytes wide; A and C hold `rows` rows. Released (tiles back to their init
 // state, cheap to save at a context switch) when the thread's tasks are done.
 class AmxTiles {
  public:
@@ -61,7 +61,7 @@ class AmxTiles {
     } cfg;
     std::memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
       cfg.colsb[t] = 64;
       cfg.rows[t] = t < 5 ? rows : 16;
     }
