@@ -90,20 +90,32 @@ AMX_TARGET inline void rows_of_keys(const bf16_t* keys, bf16_t* rows) {
 
 // The rows' softmax numerators, 16 rows in the lanes, over keys 0 .. L-1 (key-major st,
 // the raw scores): p[l] = bf16(exp(s_l - m)) with s_l = st[l] * scale, m the max over the
-// lane's keys below its context (0 past it); zs = the sum of p in key order. Out of line:
-// inside the tile kernel gcc kept m and the scale on the stack (a store and a load a key).
+// lane's keys below its context (0 past it); zs = the sum of p in key order. Keys below
+// `lo`, the shortest context of the tile's rows in use, are inside every such row's
+// context and skip the masks (lanes of rows not in use get values nobody reads). Out of
+// line: inside the tile kernel gcc kept m and the scale on the stack (a store and a load a
+// key).
 __attribute__((noinline)) AMX_TARGET inline void softmax_numerators(
-    const float* st, int64_t L, const int32_t* row_ctx, float scale, bf16_t* pt, float* zs) {
+    const float* st, int64_t L, int64_t lo, const int32_t* row_ctx, float scale, bf16_t* pt,
+    float* zs) {
   const __m512i ctx_v = _mm512_loadu_si512(row_ctx);
   const __m512 sc_v = _mm512_set1_ps(scale);
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < lo; ++l)  // max(s, mx) keeps mx where s is NaN, as below
+    mx = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v), mx);
+  for (int64_t l = lo; l < L; ++l) {
     const __mmask16 in = _mm512_cmpgt_epi32_mask(ctx_v, _mm512_set1_epi32((int)l));
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
     mx = _mm512_mask_max_ps(mx, in, s, mx);  // keeps mx where s is NaN, as the fold does
   }
   __m512 z = _mm512_setzero_ps();
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < lo; ++l) {
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
+    const __m256i pb = f32x16_to_bf16(exp16(_mm512_sub_ps(s, mx)));
+    _mm256_storeu_si256((__m256i*)(pt + l * 16), pb);
+    z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+  }
+  for (int64_t l = lo; l < L; ++l) {
     const __mmask16 in = _mm512_cmpgt_epi32_mask(ctx_v, _mm512_set1_epi32((int)l));
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
     const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(s, mx)));
@@ -256,9 +268,12 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
 
   // Softmax numerators, 16 rows in the lanes (a lane's keys past its context, and scores
   // past its segment's, are masked).
-  sc.pt.assign(L32 * 16, 0);
+  sc.pt.resize(L32 * 16);  // keys below L are all written; the last step's tail is zero
+  std::fill(sc.pt.begin() + L * 16, sc.pt.end(), bf16_t(0));
+  int64_t lo = L;
+  for (int64_t r = 0; r < nrows; ++r) lo = std::min<int64_t>(lo, row_ctx[r]);
   alignas(64) float zs[16];
-  softmax_numerators(sc.st.data(), L, row_ctx, scale, sc.pt.data(), zs);
+  softmax_numerators(sc.st.data(), L, lo, row_ctx, scale, sc.pt.data(), zs);
   sc.pa.resize(L32 * 16);
   for (int64_t l0 = 0; l0 < L32; l0 += 32) rows_of_keys(sc.pt.data() + l0 * 16, sc.pa.data() + l0 * 16);
 
