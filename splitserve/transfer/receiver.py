@@ -181,11 +181,6 @@ class KVReceiver:
                 finished.append(imp.handle)
         return finished
 
-    @property
-    def num_active(self) -> int:
-        """Imports expected and not yet committed or failed."""
-        return len(self._imports)
-
     def cancel(self, request_id: str) -> None:
         """Abandons the request's import; the next `poll` releases its blocks."""
         for imp in list(self._imports.values()):

@@ -128,11 +128,6 @@ class KVSender:
                 finished.append(export.handle)
         return finished
 
-    @property
-    def num_active(self) -> int:
-        """Transfers not yet finished and released."""
-        return len(self._exports)
-
     def arm_fault(self, request_id: str, fault: WireFault) -> None:
         """Fault injection: the request's next transfer takes its channel through
         `FaultyChannels`, which drops, delays or corrupts it."""
