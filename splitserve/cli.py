@@ -102,6 +102,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-cores", help="cores per worker, prefill workers first: '0;1' or "
                    "'0,1;2,3' (default: split this machine's cores between the pools)")
     p.add_argument("--threads-per-worker", type=int, help="torch threads per worker")
+    p.add_argument("--worker-nice", type=int, help="local workers' niceness above the "
+                   "frontend's, 0-19 (default 5: the frontend preempts their compute threads)")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")

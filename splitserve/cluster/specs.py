@@ -48,6 +48,7 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
             specs.append(WorkerSpec(role=role, index=index, epoch=1,
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=pool_cores[index] or None,
+                                    nice=config.worker_nice,
                                     kv_transport=config.kv_transport,
                                     fault_injection=config.enable_fault_injection,
                                     heartbeat_interval_s=heartbeat_s,

@@ -309,13 +309,26 @@ def _titles() -> dict[int, str]:
     return titles
 
 
-def test_process_titles_and_clean_shutdown(start_server: Any) -> None:
+def _thread_nices(pid: int) -> set[int]:
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19: nice
+    return nices
+
+
+def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
     server = start_server("--mode", "disagg", *FLAGS)
     pids = server.worker_pids()
     titles = _titles()
     assert titles[server.proc.pid].startswith("splitserve-frontend")
     assert sorted(titles[p].split()[0] for p in pids) == ["splitserve-decode-0",
                                                           "splitserve-prefill-0"]
+    # Every thread of a worker (engine, OpenMP, ZeroMQ, KV) runs --worker-nice (5) nicer
+    # than the frontend, whose own threads keep its niceness.
+    [front] = _thread_nices(server.proc.pid)
+    for pid in pids:
+        assert _thread_nices(pid) == {min(19, front + 5)}, pid
     # Each process froze its startup heap before serving (cluster/heap.py).
     frozen = re.findall(r"(\S+): froze the startup heap \((\d+) objects\)", server.log())
     assert sorted(name for name, _ in frozen) == ["decode-0", "frontend", "prefill-0"], frozen

@@ -43,6 +43,24 @@ def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
     assert restart_delay(0.0, 3) == 0.0
 
 
+def test_local_workers_run_nicer_than_the_frontend_and_ray_actors_do_not() -> None:
+    from splitserve.cluster.specs import worker_specs
+    [spec] = worker_specs(ServeConfig(mode="agg", decode=1), "tcp://127.0.0.1:1")
+    assert spec.nice == 5 and WorkerSpec.from_json(spec.to_json()).nice == 5
+    [spec] = worker_specs(ServeConfig(mode="agg", decode=1, worker_nice=0), "tcp://127.0.0.1:1")
+    assert spec.nice == 0
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="worker_nice"):
+            ServeConfig(worker_nice=bad)
+    # A Ray actor's process is Ray's (and the frontend is on another node, or not): as is.
+    from types import SimpleNamespace
+
+    from splitserve.cluster.runtime.ray import RayRuntime
+    from splitserve.config import RayConfig
+    on_ray = RayRuntime.worker_spec(SimpleNamespace(config=RayConfig()), _spec(nice=5))  # type: ignore[arg-type]
+    assert on_ray.nice == 0
+
+
 def test_threads_follow_the_setting_then_the_pinned_cores() -> None:
     assert _spec().num_threads is None
     assert _spec(cpu_cores=(0, 1)).num_threads == 2

@@ -179,7 +179,7 @@ class RayRuntime(Runtime):
     # -- the Runtime interface ------------------------------------------------------------------
     def worker_spec(self, spec: WorkerSpec) -> WorkerSpec:
         threads = max(1, int(self.config.ray_cpus_per_worker))
-        return replace(spec, outlive_frontend=True, cpu_cores=None,
+        return replace(spec, outlive_frontend=True, cpu_cores=None, nice=0,
                        engine_args={**spec.engine_args, "num_threads": threads})
 
     def start_worker(self, spec: WorkerSpec, secret: WorkerSecret) -> WorkerHandle:

@@ -40,6 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
     spec = WorkerSpec.from_json(argv[0])
+    if spec.nice:
+        os.nice(spec.nice)  # before any thread: every thread of the worker inherits it
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
     _die_with_parent()

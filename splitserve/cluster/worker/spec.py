@@ -20,6 +20,9 @@ class WorkerSpec:
     # Pin to these cores, with as many torch threads unless engine_args names a number
     # (--threads-per-worker, or a share of cores other workers use too).
     cpu_cores: tuple[int, ...] | None = None
+    # Added to the process's niceness at start, before any thread (ServeConfig.worker_nice;
+    # local workers: a Ray actor's process is Ray's).
+    nice: int = 0
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     # The TCP KV listener binds this host with port 0 and publishes the address it got
     # (WorkerReady.kv_address): the node's own address on Ray, loopback locally.
