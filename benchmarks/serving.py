@@ -1,8 +1,9 @@
 """Serving overhead: TTFT and TPOT of one request through `splitserve serve` (disagg and
 agg) against the offline engine on the same prompt, measured in one run.
 
-    python benchmarks/serving.py          # ~4 min on 2 cores; writes docs/benchmarks.md
-    python benchmarks/serving.py --quick  # 2 repetitions, no doc
+    python benchmarks/serving.py          # ~7 min on 2 cores (3 starts x 5 rounds);
+                                          # writes docs/benchmarks.md
+    python benchmarks/serving.py --quick  # 1 start, 2 rounds, no doc
     python benchmarks/serving.py --decode-load [--baseline-rev REV] [--quick]
                                           # TTFT while D decodes: benchmarks/serving_load.py
 
@@ -198,7 +199,9 @@ class Served:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=5, help="rounds per instance")
+    ap.add_argument("--instances", type=int, default=3,
+                    help="fresh processes of every setup, one after the other")
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
     ap.add_argument("--decode-load", action="store_true",
                     help="TTFT of a 512-token prompt in disagg while D decodes 0, 1, 16 others")
@@ -210,34 +213,39 @@ def main() -> int:
     if args.decode_load:
         from benchmarks.serving_load import run_decode_load
         return run_decode_load(args.baseline_rev, args.quick, args.reps, args.output)
-    reps = 2 if args.quick else args.reps
-    # Every setup is up at once (idle ones sleep) and the repetitions are interleaved
-    # A, B, C, D, A, B, ...: drift of this shared machine hits all setups alike, and each
-    # served figure is compared with the engine-alone figure of the same round.
-    setups: dict[str, OfflineEngine | Served] = {
-        "engine, 1 core": OfflineEngine(1, [1]),
-        "engine, 2 cores": OfflineEngine(2, [0, 1]),
-        "disagg (1 prefill + 1 decode, 1 core each)": Served(
-            ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
-        "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
-    }
+    reps, instances = (2, 1) if args.quick else (args.reps, args.instances)
     base = {"disagg (1 prefill + 1 decode, 1 core each)": "engine, 1 core",
             "agg (1 worker, 2 cores)": "engine, 2 cores"}
-    runs: dict[str, list[Timing]] = {name: [] for name in setups}
+    runs: dict[str, list[Timing]] = {}
     monitor = CpuMonitor().start()
-    try:
-        for rep in range(-1, reps):  # -1: warm-up round, not recorded
-            for name, setup in setups.items():
-                for other in setups.values():  # only the measured server is awake
-                    if isinstance(other, Served):
-                        other.pause(other is not setup)
-                setup.run(rep + 500)  # unmeasured: the measured request runs warm
-                timing = setup.run(rep + 100)
-                if rep >= 0:
-                    runs[name].append(timing)
-    finally:
-        for setup in setups.values():
-            setup.stop()
+    # Fresh processes of every setup, `instances` times: two starts of the same server
+    # differ by up to ~3% in step time on these VMs (three identical servers in one run:
+    # TTFT 2.8-3.0 ms apart, paired), as much as the overhead measured.
+    for instance in range(instances):
+        # Every setup is up at once (idle ones sleep) and the repetitions are interleaved
+        # A, B, C, D, A, B, ...: drift of this shared machine hits all setups alike, and
+        # each served figure is compared with the engine-alone figure of the same round.
+        setups: dict[str, OfflineEngine | Served] = {
+            "engine, 1 core": OfflineEngine(1, [1]),
+            "engine, 2 cores": OfflineEngine(2, [0, 1]),
+            "disagg (1 prefill + 1 decode, 1 core each)": Served(
+                ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
+            "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
+        }
+        try:
+            for rep in range(-1, reps):  # -1: warm-up round, not recorded
+                for name, setup in setups.items():
+                    for other in setups.values():  # only the measured server is awake
+                        if isinstance(other, Served):
+                            other.pause(other is not setup)
+                    seed = instance * 1000 + rep
+                    setup.run(seed + 500)  # unmeasured: the measured request runs warm
+                    timing = setup.run(seed + 100)
+                    if rep >= 0:
+                        runs.setdefault(name, []).append(timing)
+        finally:
+            for setup in setups.values():
+                setup.stop()
     others = monitor.stop()
     rows = []
     for name, timings in runs.items():
@@ -262,10 +270,11 @@ def main() -> int:
                      f"{client:.1f}"])
     body = [
         f"One streaming request at a time: {PROMPT_TOKENS}-token prompt (random ids, no "
-        f"prefix hits), {OUTPUT_TOKENS} output tokens, greedy, bf16, medians of {reps} "
-        "interleaved rounds after one warm-up round; overheads are medians of the "
-        "per-round differences and ratios; every measured request follows an unmeasured "
-        "one on the same setup (warm). The servers not being measured are paused "
+        f"prefix hits), {OUTPUT_TOKENS} output tokens, greedy, bf16, medians of "
+        f"{instances * reps} rounds: {instances} fresh start(s) of every setup, "
+        f"{reps} interleaved rounds each after one warm-up round; overheads are medians of "
+        "the per-round differences and ratios; every measured request follows an "
+        "unmeasured one on the same setup (warm). The servers not being measured are paused "
         "(SIGSTOP), so their idle wake-ups do not preempt the measured one. "
         "Served = `splitserve serve` + openai client over "
         "HTTP/SSE; disagg uses `--disagg-policy always` (every request: prefill worker -> "

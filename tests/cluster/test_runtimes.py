@@ -57,7 +57,8 @@ def test_local_workers_run_nicer_than_the_frontend_and_ray_actors_do_not() -> No
 
     from splitserve.cluster.runtime.ray import RayRuntime
     from splitserve.config import RayConfig
-    on_ray = RayRuntime.worker_spec(SimpleNamespace(config=RayConfig()), _spec(nice=5))  # type: ignore[arg-type]
+    runtime = SimpleNamespace(config=RayConfig())
+    on_ray = RayRuntime.worker_spec(runtime, _spec(nice=5))  # type: ignore[arg-type]
     assert on_ray.nice == 0
 
 
