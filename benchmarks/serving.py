@@ -199,7 +199,8 @@ class Served:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=5, help="rounds per instance")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="rounds per instance (5; --decode-load: rounds, 9)")
     ap.add_argument("--instances", type=int, default=3,
                     help="fresh processes of every setup, one after the other")
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
@@ -212,8 +213,8 @@ def main() -> int:
         ap.error("--baseline-rev needs --decode-load")
     if args.decode_load:
         from benchmarks.serving_load import run_decode_load
-        return run_decode_load(args.baseline_rev, args.quick, args.reps, args.output)
-    reps, instances = (2, 1) if args.quick else (args.reps, args.instances)
+        return run_decode_load(args.baseline_rev, args.quick, args.reps or 9, args.output)
+    reps, instances = (2, 1) if args.quick else (args.reps or 5, args.instances)
     base = {"disagg (1 prefill + 1 decode, 1 core each)": "engine, 1 core",
             "agg (1 worker, 2 cores)": "engine, 2 cores"}
     runs: dict[str, list[Timing]] = {}
