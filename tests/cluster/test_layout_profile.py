@@ -4,6 +4,7 @@ changes; failures are typed and bounded by a deadline."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -12,11 +13,13 @@ from typing import Any
 import pytest
 
 from splitserve.cluster.planner import profile
+from splitserve.cluster.planner.profile_run import measure_decode
 from splitserve.cluster.planner.profile import (CostCurves, ProfileCache, ProfilePlan,
                                                 cached_curves, fit_curves, measure_curves,
                                                 profile_key)
 from splitserve.cluster.router.cost_model import Quadratic
-from splitserve.config import ServeConfig
+from splitserve.config import EngineConfig, ServeConfig
+from splitserve.engine.engine import LLMEngine
 from splitserve.errors import LayoutProfileError
 
 SHORT = ProfilePlan(prefill_tokens=(32, 128, 256), prefill_repeats=1,
@@ -148,3 +151,24 @@ def test_measuring_has_a_deadline() -> None:
         measure_curves(ARGS, [1], plan=SHORT, timeout_s=0.3)
     with pytest.raises(ValueError, match="thread counts"):
         measure_curves(ARGS, [0], plan=SHORT)
+
+
+def test_decode_passes_alternate_so_a_slow_phase_lands_on_other_batches() -> None:
+    """CI once saw batch 1 at 30-32 ms, batch 2 at 29, batch 4 at 22 in one ascending pass
+    (a slow phase of the VM over its first ~0.3 s): no curve fits. The second pass runs
+    the batches descending, so the phase would have to return at its end to slow batch 1
+    again; each batch's fastest step counts."""
+    args = {k: v for k, v in ARGS.items() if k != "num_threads"}
+    engine = LLMEngine(EngineConfig.from_kwargs(args.pop("model", None), **args,
+                                                num_threads=1))
+    samples = measure_decode(engine, random.Random(0), [1, 2, 4], SHORT)
+    assert [n for n, _ in samples] == [1, 1, 2, 2, 4, 4, 4, 4, 2, 2, 1, 1]
+    assert all(0 < seconds < 2 for _, seconds in samples)
+    assert not engine.has_unfinished  # every pass's sequences aborted
+    prefill = [(32, 0.031), (128, 0.068), (256, 0.141)]
+    slow_first = [(1, 0.0303), (1, 0.0318), (2, 0.0286), (2, 0.0292), (4, 0.0222), (4, 0.022)]
+    with pytest.raises(LayoutProfileError, match="too busy"):
+        fit_curves(prefill, slow_first)
+    second = [(4, 0.0223), (4, 0.0221), (2, 0.0212), (2, 0.0215), (1, 0.0210), (1, 0.0211)]
+    curves = fit_curves(prefill, slow_first + second)
+    assert 0.020 <= curves.decode(1) <= curves.decode(4) <= 0.023

@@ -49,14 +49,18 @@ class ProfilePlan:
     prefill_tokens: tuple[int, ...] = (64, 256, 1024)
     prefill_repeats: int = 2
     decode_batches: tuple[int, ...] = (1, 8, 32)  # capped at max_num_seqs
-    decode_steps: int = 4  # pure decode steps timed per batch size
+    decode_steps: int = 4  # pure decode steps timed per batch size and pass
     decode_prompt_tokens: int = 16
+    # Passes over the batches, ascending then descending: a slow phase of the machine
+    # (a neighbour's burst) lands on different sizes in each, and each size's fastest
+    # step counts, where one ascending pass let it slow only the smallest batches.
+    decode_repeats: int = 2
 
     def __post_init__(self) -> None:
         if min(self.prefill_tokens, default=0) < 1 or min(self.decode_batches, default=0) < 1:
             raise ValueError("a profile plan needs positive prefill sizes and decode batches")
         if len(set(self.prefill_tokens)) < 3 or len(set(self.decode_batches)) < 3 or min(
-                self.prefill_repeats, self.decode_steps) < 1:
+                self.prefill_repeats, self.decode_steps, self.decode_repeats) < 1:
             raise ValueError("a profile plan needs 3 sizes per curve to fit one, each run "
                              "at least once")
 

@@ -63,31 +63,39 @@ def measure_prefill(engine: LLMEngine, rng: random.Random, sizes: list[int],
 
 def measure_decode(engine: LLMEngine, rng: random.Random, batches: list[int],
                    plan: ProfilePlan) -> list[tuple[int, float]]:
-    """(running sequences, seconds of one step that only decodes them)."""
+    """(running sequences, seconds of one step that only decodes them), over
+    `plan.decode_repeats` passes, the odd ones in descending order."""
     samples: list[tuple[int, float]] = []
-    for batch in batches:
-        ids = [f"decode-{batch}-{i}" for i in range(batch)]
-        # They decode until aborted below: however small the step budget's chunks, the
-        # first admitted are still decoding when the last one joins them.
-        params = SamplingParams(max_tokens=None, ignore_eos=True)
-        for rid in ids:
-            engine.add_request(rid, _prompt(rng, engine.spec.vocab_size,
-                                            plan.decode_prompt_tokens), params)
-        timed = []
-        for _ in range(plan.decode_steps + batch * plan.decode_prompt_tokens + 4):
-            engine.step()
-            stats = engine.last_step
-            assert stats is not None
-            if stats.num_prefill_tokens == 0 and stats.num_decode_seqs == batch:
-                timed.append(stats.seconds)
-                if len(timed) == plan.decode_steps:
-                    break
-        else:
-            raise RuntimeError(f"no {plan.decode_steps} pure decode steps at batch {batch}")
-        for rid in ids:
-            engine.abort(rid)
-        samples += [(batch, seconds) for seconds in timed]
+    for repeat in range(plan.decode_repeats):
+        for batch in batches[::-1] if repeat % 2 else batches:
+            samples += [(batch, seconds)
+                        for seconds in _decode_batch(engine, rng, batch, plan, repeat)]
     return samples
+
+
+def _decode_batch(engine: LLMEngine, rng: random.Random, batch: int, plan: ProfilePlan,
+                  repeat: int) -> list[float]:
+    ids = [f"decode-{repeat}-{batch}-{i}" for i in range(batch)]
+    # They decode until aborted below: however small the step budget's chunks, the
+    # first admitted are still decoding when the last one joins them.
+    params = SamplingParams(max_tokens=None, ignore_eos=True)
+    for rid in ids:
+        engine.add_request(rid, _prompt(rng, engine.spec.vocab_size,
+                                        plan.decode_prompt_tokens), params)
+    timed = []
+    for _ in range(plan.decode_steps + batch * plan.decode_prompt_tokens + 4):
+        engine.step()
+        stats = engine.last_step
+        assert stats is not None
+        if stats.num_prefill_tokens == 0 and stats.num_decode_seqs == batch:
+            timed.append(stats.seconds)
+            if len(timed) == plan.decode_steps:
+                break
+    else:
+        raise RuntimeError(f"no {plan.decode_steps} pure decode steps at batch {batch}")
+    for rid in ids:
+        engine.abort(rid)
+    return timed
 
 
 def main() -> int:
