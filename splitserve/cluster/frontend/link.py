@@ -18,9 +18,10 @@ The socket is a plain (blocking-API) one read from the event loop's own reader c
 every wake-up takes the frames waiting (up to DRAIN_BATCH, and up to the first that
 carries outputs, then the rest on the next turn), each handled in that callback. pyzmq's
 asyncio socket would make a future, a loop turn and a dozen Python calls of its own per
-frame (a fifth of a streaming frontend's CPU, measured). ZeroMQ's descriptor is edge-triggered: it signals a change, not that frames
-wait, and a send can consume the signal; so every wake-up reads until ZeroMQ has nothing,
-and every send is followed by one more read on the next turn.
+frame (a fifth of a streaming frontend's CPU, measured). ZeroMQ's descriptor is
+edge-triggered: it signals a change, not that frames wait, and a send can consume the
+signal; so every wake-up reads until ZeroMQ has nothing (or schedules the next turn's
+read), and every send is followed by one more read on the next turn.
 """
 from __future__ import annotations
 
