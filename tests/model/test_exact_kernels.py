@@ -6,10 +6,15 @@ Guarantees checked here, on whatever x86 CPU runs the tests:
 - so its rows do not depend on the row count, the thread count or the ISA path: AVX2 and
   AVX-512 BF16 give the same bits (checked where the CPU has both; AMX tiles have bits of
   their own, test_exact_amx.py);
-- attention gives every token the same bits alone or batched, whatever its physical blocks,
-  and is within bf16 rounding of an fp32 reference.
+- attention's every output is the arithmetic written in csrc/attention.cpp (two pairwise-FMA
+  chains, a bf16 softmax numerator, one exp polynomial), checked against a torch emulation
+  on every ISA level, in prefill runs and decode tokens alike; so it gives every token the
+  same bits alone or batched, whatever its physical blocks, and is within bf16 rounding of
+  an fp32 reference.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -91,8 +96,109 @@ def _reference_attention(q, kv, tables, token_seq, ctx, scale):
     return torch.stack(out)
 
 
-# (query heads, kv heads, head_dim): the AVX-512 path weighs values up to 4 heads of a group
-# at once (2 from head_dim 80 on), so groups of 3, 5, 7 and 8 heads take every split.
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add: the product is exact in fp64, the sum rounded once to fp64
+    and then to fp32 (a double rounding that differs from one rounding about once in 2^29
+    sums, far rarer than these tests' few thousand)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _exp_polynomial(x: torch.Tensor) -> torch.Tensor:
+    """common.h's exp16 / exp8, op by op in fp32."""
+    f32 = functools.partial(torch.tensor, dtype=torch.float32)
+    x = x.clamp(-87.0, 88.0)
+    n = torch.round(x * f32(1.44269504088896341))
+    r = _fma32(n, f32(-0.693359375), x)
+    r = _fma32(n, f32(2.12194440e-4), r)
+    p = torch.full_like(x, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1):
+        p = _fma32(p, r, f32(c).expand_as(p))
+    return (_fma32(p, r * r, r) + 1.0) * torch.pow(2.0, n)
+
+
+def _tree16(lanes: torch.Tensor) -> torch.Tensor:
+    """Lanes i + (i+8), then i + (i+4), i + (i+2), i + (i+1) (common.h's tree16)."""
+    for half in (8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half:2 * half]
+    return lanes[..., 0]
+
+
+def _specified_attention(q, kv, tables, token_seq, ctx, scale):
+    """csrc/attention.cpp's formulas in torch, every op an fp32 op of the same operands in
+    the same order (bf16 products are exact in fp32, so each add of one is the FMA)."""
+    heads, kv_heads, d = q.shape[1], kv.shape[3], q.shape[2]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        n = int(ctx[t])
+        blocks = tables[token_seq[t]].long()
+        keys = kv[0][blocks].flatten(0, 1)[:n].float().transpose(0, 1)  # [kv_heads, L, D]
+        values = kv[1][blocks].flatten(0, 1)[:n].float().transpose(0, 1)
+        qt = q[t].float().view(kv_heads, heads // kv_heads, 1, d)
+        acc = torch.zeros(kv_heads, heads // kv_heads, n)
+        for i in range(d // 2):
+            acc = acc + qt[..., 2 * i + 1] * keys[:, None, :, 2 * i + 1]
+            acc = acc + qt[..., 2 * i] * keys[:, None, :, 2 * i]
+        s = acc * torch.tensor(scale, dtype=torch.float32)
+        p = _exp_polynomial(s - s.max(-1, keepdim=True).values).bfloat16().float()
+        lanes = torch.nn.functional.pad(p, (0, -n % 16)).unflatten(-1, (-1, 16))
+        z = _tree16(functools.reduce(torch.add, lanes.unbind(-2), torch.zeros(16)))
+        p = torch.nn.functional.pad(p, (0, n % 2))  # p_L = 0 for an odd L
+        values = torch.nn.functional.pad(values, (0, 0, 0, n % 2))
+        o = torch.zeros(kv_heads, heads // kv_heads, d)
+        for j in range(0, n, 2):
+            o = o + p[..., j + 1, None] * values[:, None, j + 1]
+            o = o + p[..., j, None] * values[:, None, j]
+        out[t] = (o / z[..., None]).bfloat16().view(heads, d)
+    return out
+
+
+def _poisoned(kv: torch.Tensor, table: torch.Tensor, first: int) -> torch.Tensor:
+    """kv with NaN in the K and V slots of positions >= first of the sequence of `table`."""
+    dirty = kv.clone()
+    blocks = table.long()
+    slots = dirty[:, blocks].flatten(1, 2)  # [2, positions, kv_heads, head_dim]
+    slots[:, first:] = float("nan")
+    dirty[:, blocks] = slots.unflatten(1, (len(blocks), kv.shape[2]))
+    return dirty
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (9, 3, 16), (8, 1, 128)])
+def test_attention_is_the_specified_arithmetic_on_every_isa(ops, isas: list[int], heads: int,
+                                                            kv_heads: int,
+                                                            head_dim: int) -> None:
+    """A prefill chunk of 40 tokens over 61 cached keys (runs of tokens share key tiles) and
+    three decode tokens of another sequence: every output is the formulas' bits, and each
+    token alone gets them too, with NaN in every slot of its sequence past its context (a
+    slot there may hold anything: the run's later tokens, a peer's partial transfer)."""
+    torch.manual_seed(5)
+    num_blocks, block_size = 24, 16
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    tables = torch.stack([perm[:12], perm[12:]])
+    token_seq = torch.tensor([0] * 40 + [1] * 3, dtype=torch.int32)
+    ctx = torch.tensor(list(range(62, 102)) + [1, 33, 98], dtype=torch.int32)
+    q = torch.randn(43, heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    want = _specified_attention(q, kv, tables, token_seq, ctx, scale)
+    for isa in isas:
+        ops.set_isa(isa)
+        assert torch.equal(kernels.paged_attention(q, kv, tables, token_seq, ctx, scale),
+                           want), isa
+        for t in (0, 17, 38, 39, 40, 42):  # odd and even contexts
+            alone = kernels.paged_attention(q[t:t + 1], _poisoned(kv, tables[token_seq[t]],
+                                                                  int(ctx[t])),
+                                            tables, token_seq[t:t + 1], ctx[t:t + 1], scale)
+            assert torch.equal(alone[0], want[t]), (isa, t)
+        # Key 79 of the chunk's sequence NaN: token 17 (79 keys, odd) shares its run with
+        # tokens that see key 79, and neither scores nor weighs it.
+        got = kernels.paged_attention(q, _poisoned(kv, tables[0], 79), tables, token_seq, ctx,
+                                      scale)
+        assert torch.equal(got[:18], want[:18]), isa
+
+
+# (query heads, kv heads, head_dim): groups of 3, 5, 7 and 8 heads make runs of 16, 9, 6 and 6
+# tokens (48 rows), head_dim 16 to 128 every register blocking of the AVX-512 path.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 16), (9, 3, 64), (9, 3, 80),
                                                      (8, 1, 128), (10, 2, 80), (14, 2, 64)])
 def test_attention_is_per_token_and_block_layout_free(ops, isas: list[int], heads: int,

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 ISAS = {"avx2": 1, "avx512_bf16": 2, "amx_bf16": 3}
 # Part of the model fingerprint (kernels_version()): bump when any kernel's arithmetic changes.
-EXACT_KERNELS = "exact/v1"
+EXACT_KERNELS = "exact/v2"
 _LANES = 16  # columns per packed weight block (one 16-lane fp32 accumulator)
 _SRC = Path(__file__).parent / "csrc"
 BUILD_DEADLINE_S = 900.0  # longest wait for another process's build (~1-3 min)

@@ -1,18 +1,36 @@
 // Batch-invariant paged attention (see exact.cpp for the contract and the two ISA paths;
 // on AMX-BF16 CPUs, attention_amx.h's tiles, with bits of their own).
 //
-// Every query token attends to keys 0 .. context_len-1 of its own sequence, read in
-// position order through its block table, so the bits depend on neither the physical
-// blocks, the other tokens of the step, a prefill chunk's size nor a decode batch:
+// Every query row (a token's head) attends to keys 0 .. L-1 of its own sequence (L its
+// context), read in position order through its block table, so the bits depend on neither
+// the physical blocks, the other tokens of the step, a prefill chunk's size nor a decode
+// batch:
 //
-//   s_l  = tree16( pairwise-FMA dot(q, k_l) over head_dim ) * scale     (exact.cpp's order)
-//   m    = max_l s_l                                                     (exact)
-//   e_l  = exp(s_l - m)                                   (one polynomial, FMAs in order)
-//   Z    = tree16( 16 lanes, lane i summing e_l for l = i, i+16, ... in order )
-//   o    = ( sum over l = 0, 1, ... of e_l * v_l, one FMA per key ) / Z  -> bf16
+//   s_l = chain(q, k_l) * scale    chain: acc = +0, then for head_dim pairs i = 0, 1, ...
+//                                  acc = fma(q[2i+1], k[2i+1], acc); acc = fma(q[2i], k[2i], acc)
+//   m   = max_l s_l                                                        (exact)
+//   p_l = bf16( exp(s_l - m) )                   (one polynomial, FMAs in order)
+//   Z   = tree16( 16 lanes, lane i summing p_l for l = i, i+16, ... in order )
+//   o   = bf16( chain over key pairs j = 0 .. ceil(L/2)-1 of
+//               acc = fma(p_{2j+1}, v_{2j+1}, acc); acc = fma(p_{2j}, v_{2j}, acc) ) / Z )
+//         with p_L = v_L = 0 (an odd L's last pair).
+//
+// Both chains are VDPBF16PS steps (its definition is that pair of FMAs, as the linear's
+// fold), so the AVX-512 path runs two bf16 dot-product instructions per (row, key): the
+// scores with 16 keys in the lanes (a tile's keys transposed into head_dim pairs once), the
+// output with 16 of head_dim in the lanes (a tile's values interleaved into key pairs once).
+// A task is a run of up to kRunRows / G consecutive tokens of one sequence and one KV head:
+// every row of the run reads each transposed tile, so a prefill pays the transposes once
+// for all of its run's rows (a decode token's run is itself). A row's output chain stops at
+// its own last pair, whatever the run's longest context, and never reads a value past its
+// context (a slot there may hold anything: a NaN times a zero p is NaN); a score past a
+// row's context is never used. The AVX2 path computes the same FMAs one by one under MXCSR
+// FTZ|DAZ (tests/model/test_exact_kernels.py checks the bits against a torch emulation
+// of the formulas above, on every ISA level the CPU has).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -40,296 +58,358 @@ struct Args {
   bf16_t* out;  // [T, H, D] contiguous
 };
 
-// Cache offset of each of the token's keys, in position order (no division per key).
-inline void key_offsets(const Args& a, int64_t t, int64_t h, std::vector<int64_t>& off) {
-  const int32_t* table = a.tables + a.token_seq[t] * a.table_stride;
-  const int64_t L = a.ctx[t];
-  off.resize(L);
-  for (int64_t l0 = 0, b = 0; l0 < L; l0 += a.block_size, ++b) {
+// Tokens t0 .. t0+nt-1 of the step, all of one sequence; L: the most keys one of them sees.
+struct Run {
+  int64_t t0, nt, L;
+};
+
+constexpr int64_t kRunRows = 48;  // query rows (tokens x heads of a group) a run holds at most
+constexpr int64_t kTile = 32;     // keys a tile: two groups of 16 lanes, 16 key pairs
+
+// Cache offset of each of the run's keys 0 .. L-1 in head h, in position order.
+inline void key_offsets(const Args& a, const Run& run, int64_t h, std::vector<int64_t>& off) {
+  const int32_t* table = a.tables + a.token_seq[run.t0] * a.table_stride;
+  off.resize(run.L);
+  for (int64_t l0 = 0, b = 0; l0 < run.L; l0 += a.block_size, ++b) {
     const int64_t base = table[b] * a.blk_stride + h * a.D;
-    const int64_t n = std::min(a.block_size, L - l0);
+    const int64_t n = std::min(a.block_size, run.L - l0);
     for (int64_t o = 0; o < n; ++o) off[l0 + o] = base + o * a.tok_stride;
   }
 }
 
 struct Scratch {
-  std::vector<float> scores;  // [G][Lp]
   std::vector<int64_t> offsets;  // [L]
-  std::vector<float> z;  // [2G]: softmax denominators, then row maxima
-  std::vector<float> q;  // [G][head_dim]: the AVX2 path's query pairs as fp32
+  std::vector<uint32_t> q;       // [R][D/2]: each row's query as head_dim pairs
+  std::vector<float> qf;         // AVX2: [R][D/2][2] the pairs as fp32 (odd, even)
+  std::vector<float> s;          // [R][Ls]: scores (Ls: L rounded up to the tile)
+  std::vector<bf16_t> p;         // [R][Ls]: softmax numerators, zero past the row's keys
+  std::vector<float> z;          // [R]
+  std::vector<float> acc;        // [R][D]: output chains between tiles
+  std::vector<uint32_t> kt;      // [D/2][kTile]: a tile's keys by head_dim pair
+  std::vector<uint32_t> vt;      // [kTile/2][D]: a tile's values by key pair (AVX-512)
+  std::vector<float> kf;         // AVX2: [D/2][2][8] eight keys' pairs as fp32 (odd, even)
+  std::vector<int64_t> rows_L;   // [R]
+  std::vector<const bf16_t*> rows_q;  // [R]
+  std::vector<bf16_t*> rows_out;      // [R]
 };
 
-// Heads g0 .. g0+NQ-1 of one (token, kv head): o = (sum over l in order of e_l * v_l) / Z.
-template <int DC, int NQ>
-AVX512_TARGET void weigh_values(const Args& a, int64_t t, int64_t h, int64_t g0,
-                                const float* e, int64_t Lp, const int64_t* off, int64_t L,
-                                const float* z) {
-  const int64_t G = a.H / a.HKV;
-  __m512 acc[NQ][DC];
-  for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < DC; ++c) acc[q][c] = _mm512_setzero_ps();
-  const float* e0 = e + g0 * Lp;
-  for (int64_t l = 0; l < L; ++l) {
-    __m512 v[DC];
-    for (int c = 0; c < DC; ++c) v[c] = bf16x16_to_f32(a.v + off[l] + 16 * c);
-    for (int q = 0; q < NQ; ++q) {
-      const __m512 p = _mm512_set1_ps(e0[q * Lp + l]);
-      for (int c = 0; c < DC; ++c) acc[q][c] = _mm512_fmadd_ps(p, v[c], acc[q][c]);
+// The run's rows: row r = (token t0 + r / G, head h * G + r % G).
+inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& sc) {
+  const int64_t G = a.H / a.HKV, R = run.nt * G, DW = a.D / 2;
+  sc.rows_L.resize(R), sc.rows_q.resize(R), sc.rows_out.resize(R), sc.q.resize(R * DW);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = run.t0 + r / G, head = h * G + r % G;
+    sc.rows_L[r] = a.ctx[t];
+    sc.rows_q[r] = a.q + t * a.q_tok + head * a.q_head;
+    sc.rows_out[r] = a.out + (t * a.H + head) * a.D;
+    std::memcpy(sc.q.data() + r * DW, sc.rows_q[r], a.D * sizeof(bf16_t));
+  }
+  key_offsets(a, run, h, sc.offsets);
+  return R;
+}
+
+// ---- AVX-512 BF16 ----------------------------------------------------------------------
+// kt[i][j] = pair i of key l0 + j (zero past L): 16 x 16 dword transposes.
+// The next tile's rows of `base` (K or V) towards L1: a decode token's keys come from DRAM
+// through the block table, rows a token slot apart within a block, blocks anywhere.
+inline void prefetch_tile(const bf16_t* base, const int64_t* off, int64_t l0, int64_t L,
+                          int64_t D) {
+  for (int64_t l = l0; l < std::min(l0 + kTile, L); ++l)
+    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(base + off[l]) + b, _MM_HINT_T0);
+}
+
+AVX512_TARGET void transpose_keys(const Args& a, const int64_t* off, int64_t l0, int64_t L,
+                                  uint32_t* kt) {
+  const int64_t DW = a.D / 2;
+  prefetch_tile(a.k, off, l0 + kTile, L, a.D);
+  for (int64_t half = 0; half < 2; ++half)
+    for (int64_t c0 = 0; c0 < DW; c0 += 16) {
+      const int64_t n = std::min<int64_t>(16, DW - c0);
+      const __mmask16 m = (__mmask16)((1u << n) - 1);
+      __m512i in[16], out[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t l = l0 + 16 * half + j;
+        in[j] = l < L ? _mm512_maskz_loadu_epi32(m, a.k + off[l] + 2 * c0)
+                      : _mm512_setzero_si512();
+      }
+      transpose_16x16_epi32(in, out);
+      for (int64_t i = 0; i < n; ++i)
+        _mm512_storeu_si512(kt + (c0 + i) * kTile + 16 * half, out[i]);
+    }
+}
+
+// Scores of NR rows over the tile's 32 keys: one chain a (row, key), 2 NR chains in flight.
+template <int NR>
+AVX512_TARGET void score_tile(const uint32_t* kt, int64_t DW, const uint32_t* q, float scale,
+                              float* s, int64_t Ls) {
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < DW; ++i) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + i * kTile);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + i * kTile + 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[r * DW + i]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qi, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qi, k1);
     }
   }
-  for (int q = 0; q < NQ; ++q) {
-    const __m512 zq = _mm512_set1_ps(z[g0 + q]);
-    bf16_t* o = a.out + (t * a.H + h * G + g0 + q) * DC * 16;
-    for (int c = 0; c < DC; ++c)
-      _mm256_storeu_si256((__m256i*)(o + 16 * c), f32x16_to_bf16(_mm512_div_ps(acc[q][c], zq)));
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(s + r * Ls, _mm512_mul_ps(acc[r][0], sc));
+    _mm512_storeu_ps(s + r * Ls + 16, _mm512_mul_ps(acc[r][1], sc));
   }
 }
 
-// ---- one (token, kv head): G query heads over the token's context ----------------------
-template <int DC>  // head_dim / 16
-AVX512_TARGET void attend_avx512(const Args& a, int64_t t, int64_t h, Scratch& sc) {
+// p = bf16(exp(s - max)) over the row's L keys, zero on to Ls; returns Z.
+AVX512_TARGET float softmax_row(const float* s, int64_t L, int64_t Ls, bf16_t* p) {
+  // max(s, m) keeps m when s is NaN, as the AVX2 path's does; a max is exact in any order
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t l = 0; l < L; l += 16) {
+    const __mmask16 valid = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+    mx = _mm512_mask_max_ps(mx, valid, _mm512_loadu_ps(s + l), mx);
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < Ls; l += 16) {
+    const __mmask16 valid = L - l >= 16 ? (__mmask16)0xFFFF
+                            : L > l ? (__mmask16)((1u << (L - l)) - 1) : (__mmask16)0;
+    const __m256i pb = f32x16_to_bf16(
+        _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m))));
+    _mm256_storeu_si256((__m256i*)(p + l), pb);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+  }
+  return tree16(sum);
+}
+
+// vt[j][d] = (v_{l0+2j}[d], v_{l0+2j+1}[d]) (zero past L): one two-source word permute per
+// 16 of head_dim and key pair.
+AVX512_TARGET void pair_values(const Args& a, const int64_t* off, int64_t l0, int64_t L,
+                               uint32_t* vt) {
+  alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx = _mm512_load_si512(kIdx);  // words 0, 32, 1, 33, ...: dim d of each
+  const int64_t DC = a.D / 16;
+  prefetch_tile(a.v, off, l0 + kTile, L, a.D);
+  for (int64_t j = 0; j < kTile / 2; ++j) {
+    const int64_t l = l0 + 2 * j;
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512i e = l < L ? _mm512_zextsi256_si512(
+                                    _mm256_loadu_si256((const __m256i*)(a.v + off[l] + 16 * c)))
+                              : _mm512_setzero_si512();
+      const __m512i o = l + 1 < L ? _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                        (const __m256i*)(a.v + off[l + 1] + 16 * c)))
+                                  : _mm512_setzero_si512();
+      _mm512_storeu_si512(vt + (j * DC + c) * 16, _mm512_permutex2var_epi16(e, idx, o));
+    }
+  }
+}
+
+// NR rows' output chains over the tile's key pairs j0 .. j0+nj-1 (a row's chain stops at
+// its own last pair), continued from acc (started at +0 on the first tile).
+template <int DC, int NR>
+AVX512_TARGET void weigh_tile(const uint32_t* vt, int64_t j0, int64_t nj, const bf16_t* p,
+                              int64_t Ls, const int64_t* L, float* acc_mem, bool first) {
   constexpr int64_t D = DC * 16;
-  const int64_t G = a.H / a.HKV, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
-  key_offsets(a, t, h, sc.offsets);
-  const int64_t* off = sc.offsets.data();
-  sc.scores.assign(G * Lp, 0.f);
-  float* buf = sc.scores.data();
-  const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
-  constexpr int QC = (DC + 1) / 2;  // 32-wide chunks of head_dim; a 16-wide tail reads zeros
-  auto mask = [](int c) { return 32 * (c + 1) <= D ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu; };
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  sc.z.resize(2 * G);
-  float* z = sc.z.data();
-  float* row_max = z + G;
-  for (int64_t g = 0; g < G; ++g) {
-    const bf16_t* q = q0 + g * a.q_head;
-    // Running max of the head's scores: max(s, m) keeps m when s is NaN, as the AVX2
-    // path's scalar `s > m ? s : m` does; a max is exact in any order.
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512bh qc[QC];
-    for (int c = 0; c < QC; ++c) qc[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask(c), q + 32 * c);
-    for (int64_t l0 = 0; l0 < L; l0 += 16) {
-      const int64_t n = std::min<int64_t>(16, L - l0);
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j >= n) continue;
-        const bf16_t* k = a.k + off[l0 + j];
-        for (int c = 0; c < QC; ++c)
-          acc[j] = _mm512_dpbf16_ps(acc[j], qc[c],
-                                    (__m512bh)_mm512_maskz_loadu_epi16(mask(c), k + 32 * c));
+  __m512 acc[NR][DC];
+  int64_t np[NR];
+  for (int r = 0; r < NR; ++r) {
+    np[r] = (L[r] + 1) / 2;
+    for (int c = 0; c < DC; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + r * D + 16 * c);
+  }
+  for (int64_t j = 0; j < nj; ++j) {
+    __m512bh v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (j * DC + c) * 16);
+    for (int r = 0; r < NR; ++r) {
+      // (not _mm512_mask_dpbf16_ps: gcc 12 loads its 16-bit mask with kmovb, 8 lanes)
+      if (j0 + j >= np[r]) continue;
+      uint32_t pair;
+      std::memcpy(&pair, p + r * Ls + 2 * (j0 + j), sizeof(pair));
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pair);
+      if (j0 + j == np[r] - 1 && L[r] % 2) {  // an odd context's last pair: v_L = 0
+        for (int c = 0; c < DC; ++c)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, (__m512bh)_mm512_and_si512(
+                                           (__m512i)v[c], _mm512_set1_epi32(0xFFFF)));
+        continue;
       }
-      const __mmask16 valid = (__mmask16)((1u << n) - 1);
-      const __m512 sv = _mm512_mul_ps(tree16x16(acc), scale);
-      _mm512_mask_storeu_ps(buf + g * Lp + l0, valid, sv);
-      mx = _mm512_mask_max_ps(mx, valid, sv, mx);
+      for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
     }
-    row_max[g] = _mm512_reduce_max_ps(mx);
   }
-  // softmax numerators in place, one Z per head
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = buf + g * Lp;
-    const float m = row_max[g];
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < Lp; l += 16) {
-      const __mmask16 valid = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l),
-                                                                       _mm512_set1_ps(m))));
-      _mm512_storeu_ps(s + l, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    z[g] = tree16(sum);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc_mem + r * D + 16 * c, acc[r][c]);
+}
+
+// Rows a group: score chains 2 a row; output chains DC a row, with DC value registers.
+constexpr int kScoreRows = 6;
+template <int DC> constexpr int kWeighRows = std::min(6, (30 - DC) / DC);
+
+template <int DC, int NR>
+AVX512_TARGET void weigh_rows(const uint32_t* vt, int64_t j0, int64_t nj, const bf16_t* p,
+                              int64_t Ls, const int64_t* L, float* acc, bool first, int64_t R) {
+  int64_t r = 0;
+  for (; r + NR <= R; r += NR)
+    weigh_tile<DC, NR>(vt, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16, first);
+  if constexpr (NR > 1)
+    if (r < R) weigh_rows<DC, NR - 1>(vt, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16,
+                                      first, R - r);
+}
+
+template <int NR>
+AVX512_TARGET void score_rows(const uint32_t* kt, int64_t DW, const uint32_t* q, float scale,
+                              float* s, int64_t Ls, int64_t R) {
+  int64_t r = 0;
+  for (; r + NR <= R; r += NR) score_tile<NR>(kt, DW, q + r * DW, scale, s + r * Ls, Ls);
+  if constexpr (NR > 1)
+    if (r < R) score_rows<NR - 1>(kt, DW, q + r * DW, scale, s + r * Ls, Ls, R - r);
+}
+
+template <int DC>  // head_dim / 16
+AVX512_TARGET void attend_avx512(const Args& a, const Run& run, int64_t h, Scratch& sc) {
+  constexpr int64_t D = DC * 16, DW = D / 2;
+  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = (L + kTile - 1) / kTile * kTile;
+  const int64_t* off = sc.offsets.data();
+  sc.s.resize(R * Ls), sc.p.resize(R * Ls), sc.z.resize(R), sc.acc.resize(R * D);
+  sc.kt.resize(DW * kTile), sc.vt.resize(kTile / 2 * D);
+  for (int64_t l0 = 0; l0 < L; l0 += kTile) {
+    transpose_keys(a, off, l0, L, sc.kt.data());
+    score_rows<kScoreRows>(sc.kt.data(), DW, sc.q.data(), a.scale, sc.s.data() + l0, Ls, R);
   }
-  // o = sum_l e_l v_l / Z: up to 4 heads at once, so each V row is converted once and the
-  // heads' FMA chains overlap (every head still adds its keys in position order).
-  constexpr int64_t kHeads = DC <= 4 ? 4 : 2;
-  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
-    const int64_t nq = std::min<int64_t>(kHeads, G - g0);
-    if (nq == kHeads) weigh_values<DC, kHeads>(a, t, h, g0, buf, Lp, off, L, z);
-    else if (nq == 3) weigh_values<DC, 3>(a, t, h, g0, buf, Lp, off, L, z);
-    else if (nq == 2) weigh_values<DC, 2>(a, t, h, g0, buf, Lp, off, L, z);
-    else weigh_values<DC, 1>(a, t, h, g0, buf, Lp, off, L, z);
+  for (int64_t r = 0; r < R; ++r)
+    sc.z[r] = softmax_row(sc.s.data() + r * Ls, sc.rows_L[r], Ls, sc.p.data() + r * Ls);
+  for (int64_t l0 = 0; l0 < L; l0 += kTile) {
+    pair_values(a, off, l0, L, sc.vt.data());
+    const int64_t nj = std::min<int64_t>(kTile / 2, (L - l0 + 1) / 2);
+    weigh_rows<DC, kWeighRows<DC>>(sc.vt.data(), l0 / 2, nj, sc.p.data(), Ls,
+                                   sc.rows_L.data(), sc.acc.data(), l0 == 0, R);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 z = _mm512_set1_ps(sc.z[r]);
+    for (int64_t c = 0; c < DC; ++c)
+      _mm256_storeu_si256((__m256i*)(sc.rows_out[r] + 16 * c),
+                          f32x16_to_bf16(_mm512_div_ps(
+                              _mm512_loadu_ps(sc.acc.data() + r * D + 16 * c), z)));
   }
 }
 
-// ---- AVX2 + FMA: the same arithmetic as attend_avx512, 8 lanes at a time ---------------
-// Scores of heads g0 .. g0+NQ-1 (their query pairs as fp32 in qf: per head and 16-element
-// chunk s, [odd elements (8)][even elements (8)]) over all L keys; each key's K row is
-// converted once for the NQ heads. Fills buf (row stride Lp) and row_max.
-// The AVX2 path prefetches each key's K row (to L1) and V row (to L2, for weigh_values)
-// this many keys ahead: the rows are gathered through the block table, one head's 2-4 lines
-// every HKV * D elements, and a decode step reads them once from DRAM. Measured on a Zen 1
-// (one token, 192 keys, each layer's cache cold): 34 -> 25 us a call; 4-16 keys ahead alike.
-constexpr int64_t kKeysAhead = 8;
-
-inline void prefetch_row(const bf16_t* row, int64_t D, int hint) {
-  for (int64_t b = 0; b < D * 2; b += 64) {
-    if (hint == 0) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
-    else _mm_prefetch((const char*)row + b, _MM_HINT_T1);
-  }
+// ---- AVX2 + FMA: the same FMAs, 8 lanes at a time --------------------------------------
+// A pair's two halves as fp32: the odd element (high word) and the even one (low word).
+inline float odd_of(uint32_t pair) {
+  const uint32_t bits = pair & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float even_of(uint32_t pair) {
+  const uint32_t bits = pair << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
-template <int S, int NQ>
-AVX2_TARGET void score_keys_avx2(const Args& a, const float* qf, const int64_t* off, int64_t L,
-                                 float* buf, int64_t Lp, float* row_max) {
-  const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  __m256 mx[NQ];
-  for (int q = 0; q < NQ; ++q) mx[q] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+// Scores of NR rows over 8 keys (kf: per pair, the keys' odd halves then even halves).
+template <int NR>
+AVX2_TARGET void score_keys_avx2(const float* kf, int64_t DW, const float* qf, float scale,
+                                 float* s, int64_t Ls) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < DW; ++i) {
+    const __m256 ko = _mm256_loadu_ps(kf + i * 16), ke = _mm256_loadu_ps(kf + i * 16 + 8);
+    for (int r = 0; r < NR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + (r * DW + i) * 2), ko, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + (r * DW + i) * 2 + 1), ke, acc[r]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(s + r * Ls, _mm256_mul_ps(acc[r], sc));
+}
+
+template <int NR>
+AVX2_TARGET void score_rows_avx2(const float* kf, int64_t DW, const float* qf, float scale,
+                                 float* s, int64_t Ls, int64_t R) {
+  int64_t r = 0;
+  for (; r + NR <= R; r += NR) score_keys_avx2<NR>(kf, DW, qf + r * DW * 2, scale, s + r * Ls, Ls);
+  if constexpr (NR > 1)
+    if (r < R) score_rows_avx2<NR - 1>(kf, DW, qf + r * DW * 2, scale, s + r * Ls, Ls, R - r);
+}
+
+AVX2_TARGET float softmax_row_avx2(const float* s, int64_t L, int64_t Ls, bf16_t* p) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t l = 0; l < L; l += 8) {
+    const __m256 sv = _mm256_loadu_ps(s + l);
+    const __m256 keep = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, L - l)), lane));
+    // max(s, m) keeps m when s is NaN; a max is exact in any order
+    mx = _mm256_max_ps(_mm256_blendv_ps(mx, sv, keep), mx);
+  }
+  const __m256 m = _mm256_set1_ps(max8(mx));
+  V16 sum{_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes of 8 alternate lo / hi
+  for (int64_t l = 0; l < Ls; l += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(8, L - l));
+    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane)));
+    const __m128i pb = f32x8_to_bf16(e);
+    _mm_storeu_si128((__m128i*)(p + l), pb);
+    __m256& acc = (l / 8) % 2 ? sum.hi : sum.lo;
+    acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(pb), 16)));
+  }
+  return tree16(sum);
+}
+
+template <int DC>  // head_dim / 16
+AVX2_TARGET void attend_avx2(const Args& a, const Run& run, int64_t h, Scratch& sc) {
+  constexpr int64_t D = DC * 16, DW = D / 2;
+  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = (L + kTile - 1) / kTile * kTile;
+  const int64_t* off = sc.offsets.data();
+  sc.s.resize(R * Ls), sc.p.resize(R * Ls), sc.z.resize(R), sc.acc.resize(R * D);
+  sc.qf.resize(R * DW * 2), sc.kf.resize(DW * 16);
+  for (int64_t r = 0; r < R * DW; ++r)
+    sc.qf[2 * r] = odd_of(sc.q[r]), sc.qf[2 * r + 1] = even_of(sc.q[r]);
   for (int64_t l0 = 0; l0 < L; l0 += 8) {
-    const int n = (int)std::min<int64_t>(8, L - l0);
-    __m256 sums[NQ][8];  // per head and key: lanes lo + hi, tree16's first level
-    for (int j = 0; j < n; ++j) {
-      const bf16_t* k = a.k + off[l0 + j];
-      if (l0 + j + kKeysAhead < L) {
-        prefetch_row(a.k + off[l0 + j + kKeysAhead], a.D, 0);
-        prefetch_row(a.v + off[l0 + j + kKeysAhead], a.D, 1);
+    for (int64_t j = 0; j < 8; ++j) {
+      const bf16_t* k = l0 + j < L ? a.k + off[l0 + j] : nullptr;
+      for (int64_t i = 0; i < DW; ++i) {
+        uint32_t pair = 0;
+        if (k) std::memcpy(&pair, k + 2 * i, sizeof(pair));
+        sc.kf[i * 16 + j] = odd_of(pair), sc.kf[i * 16 + 8 + j] = even_of(pair);
       }
-      __m256 lo[NQ], hi[NQ];
-      for (int q = 0; q < NQ; ++q) lo[q] = hi[q] = _mm256_setzero_ps();
-      for (int s = 0; s < S; ++s) {
-        const __m256i kw = _mm256_loadu_si256((const __m256i*)(k + 16 * s));
-        const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(kw, odd_mask));
-        const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(kw, 16));
-        for (int q = 0; q < NQ; ++q) {
-          __m256& lane = s % 2 ? hi[q] : lo[q];
-          const float* qs = qf + (q * S + s) * 16;
-          lane = _mm256_fmadd_ps(_mm256_loadu_ps(qs), ko, lane);
-          lane = _mm256_fmadd_ps(_mm256_loadu_ps(qs + 8), ke, lane);
+    }
+    score_rows_avx2<8>(sc.kf.data(), DW, sc.qf.data(), a.scale, sc.s.data() + l0, Ls, R);
+  }
+  for (int64_t r = 0; r < R; ++r)
+    sc.z[r] = softmax_row_avx2(sc.s.data() + r * Ls, sc.rows_L[r], Ls, sc.p.data() + r * Ls);
+  // The output chains, a row and 16 of head_dim at a time (lo: dims 0-7, hi: 8-15).
+  for (int64_t r = 0; r < R; ++r) {
+    const bf16_t* p = sc.p.data() + r * Ls;
+    const int64_t np = (sc.rows_L[r] + 1) / 2;
+    const __m256 z = _mm256_set1_ps(sc.z[r]);
+    for (int64_t c = 0; c < DC; ++c) {
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t j = 0; j < np; ++j) {
+        uint32_t pair;
+        std::memcpy(&pair, p + 2 * j, sizeof(pair));
+        const int64_t l = 2 * j;
+        const __m256 po = _mm256_set1_ps(odd_of(pair));
+        if (l + 1 < sc.rows_L[r]) {
+          lo = _mm256_fmadd_ps(po, bf16x8_to_f32(a.v + off[l + 1] + 16 * c), lo);
+          hi = _mm256_fmadd_ps(po, bf16x8_to_f32(a.v + off[l + 1] + 16 * c + 8), hi);
+        } else {  // an odd context's last pair: v_L = 0
+          lo = _mm256_fmadd_ps(po, _mm256_setzero_ps(), lo);
+          hi = _mm256_fmadd_ps(po, _mm256_setzero_ps(), hi);
         }
+        const __m256 pe = _mm256_set1_ps(even_of(pair));
+        lo = _mm256_fmadd_ps(pe, bf16x8_to_f32(a.v + off[l] + 16 * c), lo);
+        hi = _mm256_fmadd_ps(pe, bf16x8_to_f32(a.v + off[l] + 16 * c + 8), hi);
       }
-      for (int q = 0; q < NQ; ++q) sums[q][j] = _mm256_add_ps(lo[q], hi[q]);
-    }
-    for (int q = 0; q < NQ; ++q)
-      for (int j = n; j < 8; ++j) sums[q][j] = _mm256_setzero_ps();
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-        _mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int q = 0; q < NQ; ++q) {
-      const __m256 sv = _mm256_mul_ps(tree16x8(sums[q]), scale);
-      float* row = buf + q * Lp + l0;
-      if (n == 8) {
-        _mm256_storeu_ps(row, sv);
-      } else {
-        alignas(32) float part[8];
-        _mm256_store_ps(part, sv);
-        for (int j = 0; j < n; ++j) row[j] = part[j];
-      }
-      // max(s, m) keeps m when s is NaN; a max is exact in any order
-      mx[q] = _mm256_max_ps(_mm256_blendv_ps(mx[q], sv, keep), mx[q]);
-    }
-  }
-  for (int q = 0; q < NQ; ++q) row_max[q] = max8(mx[q]);
-}
-
-// Heads g0 .. g0+NQ-1, head_dim elements 16*p0 .. 16*(p0+NP)-1: o = (sum over l in order of
-// e_l * v_l) / Z. A 16-element V piece is widened by two unpacks, which leave its columns
-// as [0-3, 8-11] and [4-7, 12-15]; the accumulators keep that order until the store.
-template <int NQ, int NP>
-AVX2_TARGET void weigh_values_avx2(const Args& a, int64_t t, int64_t h, int64_t g0, int64_t p0,
-                                   const float* e, int64_t Lp, const int64_t* off, int64_t L,
-                                   const float* z) {
-  const int64_t G = a.H / a.HKV;
-  __m256 acc[NQ][2 * NP];
-  #pragma GCC unroll 16
-  for (int q = 0; q < NQ; ++q)
-    #pragma GCC unroll 16
-    for (int c = 0; c < 2 * NP; ++c) acc[q][c] = _mm256_setzero_ps();
-  const float* e0 = e + g0 * Lp;
-  const bf16_t* v0 = a.v + 16 * p0;
-  for (int64_t l = 0; l < L; ++l) {
-    #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {  // one piece at a time: 12 accumulators + 3 registers
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(v0 + off[l] + 16 * p));
-      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
-      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
-      #pragma GCC unroll 16
-      for (int q = 0; q < NQ; ++q) {
-        const __m256 pq = _mm256_broadcast_ss(e0 + q * Lp + l);
-        acc[q][2 * p] = _mm256_fmadd_ps(pq, lo, acc[q][2 * p]);
-        acc[q][2 * p + 1] = _mm256_fmadd_ps(pq, hi, acc[q][2 * p + 1]);
-      }
-    }
-  }
-  #pragma GCC unroll 16
-  for (int q = 0; q < NQ; ++q) {
-    const __m256 zq = _mm256_set1_ps(z[g0 + q]);
-    bf16_t* o = a.out + (t * a.H + h * G + g0 + q) * a.D + 16 * p0;
-    #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-      const __m256 x = _mm256_div_ps(acc[q][2 * p], zq), y = _mm256_div_ps(acc[q][2 * p + 1], zq);
-      _mm_storeu_si128((__m128i*)(o + 16 * p), f32x8_to_bf16(_mm256_permute2f128_ps(x, y, 0x20)));
-      _mm_storeu_si128((__m128i*)(o + 16 * p + 8),
-                       f32x8_to_bf16(_mm256_permute2f128_ps(x, y, 0x31)));
+      _mm_storeu_si128((__m128i*)(sc.rows_out[r] + 16 * c), f32x8_to_bf16(_mm256_div_ps(lo, z)));
+      _mm_storeu_si128((__m128i*)(sc.rows_out[r] + 16 * c + 8),
+                       f32x8_to_bf16(_mm256_div_ps(hi, z)));
     }
   }
 }
 
-template <int S, int NQ>
-AVX2_TARGET void weigh_pieces_avx2(const Args& a, int64_t t, int64_t h, int64_t g0,
-                                   const float* e, int64_t Lp, const int64_t* off, int64_t L,
-                                   const float* z) {
-  constexpr int NP = NQ == 1 ? 4 : 2;  // 8 accumulators: 8 FMA chains, no spills
-  int p0 = 0;
-  for (; p0 + NP <= S; p0 += NP) weigh_values_avx2<NQ, NP>(a, t, h, g0, p0, e, Lp, off, L, z);
-  for (; p0 < S; ++p0) weigh_values_avx2<NQ, 1>(a, t, h, g0, p0, e, Lp, off, L, z);
-}
-
-template <int S>  // head_dim / 16: 16-element chunks, summed into lanes lo (even) / hi (odd)
-AVX2_TARGET void attend_avx2(const Args& a, int64_t t, int64_t h, Scratch& sc) {
-  constexpr int kHeads = 3;  // heads scored together (each K row converted once for them)
-  const int64_t G = a.H / a.HKV, L = a.ctx[t], Lp = (L + 15) / 16 * 16;
-  key_offsets(a, t, h, sc.offsets);
-  const int64_t* off = sc.offsets.data();
-  sc.scores.assign(G * Lp, 0.f);
-  float* buf = sc.scores.data();
-  sc.z.resize(2 * G);
-  float* z = sc.z.data();
-  float* row_max = z + G;
-  // the query pairs as fp32: per head and chunk s, [odd elements (8)][even elements (8)]
-  sc.q.resize(G * S * 16);
-  float* qf = sc.q.data();
-  const bf16_t* q0 = a.q + t * a.q_tok + h * G * a.q_head;
-  const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-  for (int64_t g = 0; g < G; ++g)
-    for (int s = 0; s < S; ++s) {
-      const __m256i qw = _mm256_loadu_si256((const __m256i*)(q0 + g * a.q_head + 16 * s));
-      float* dst = qf + (g * S + s) * 16;
-      _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_and_si256(qw, odd_mask)));
-      _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_slli_epi32(qw, 16)));
-    }
-  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
-    const int64_t nq = std::min<int64_t>(kHeads, G - g0);
-    const float* qg = qf + g0 * S * 16;
-    float* bg = buf + g0 * Lp;
-    if (nq == 3) score_keys_avx2<S, 3>(a, qg, off, L, bg, Lp, row_max + g0);
-    else if (nq == 2) score_keys_avx2<S, 2>(a, qg, off, L, bg, Lp, row_max + g0);
-    else score_keys_avx2<S, 1>(a, qg, off, L, bg, Lp, row_max + g0);
-  }
-  // softmax numerators in place, one Z per head (lanes of 8 alternate lo / hi)
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = buf + g * Lp;
-    const __m256 m = _mm256_set1_ps(row_max[g]);
-    V16 sum{_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t l = 0; l < Lp; l += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
-      if (L - l < 8) {
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-            _mm256_set1_epi32((int)(L - l)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        e = _mm256_and_ps(e, keep);
-      }
-      _mm256_storeu_ps(s + l, e);
-      __m256& lane = (l / 8) % 2 ? sum.hi : sum.lo;
-      lane = _mm256_add_ps(lane, e);
-    }
-    z[g] = tree16(sum);
-  }
-  for (int64_t g0 = 0; g0 < G; g0 += 2) {  // two heads at a time: 16 ymm registers hold no more
-    if (G - g0 >= 2) weigh_pieces_avx2<S, 2>(a, t, h, g0, buf, Lp, off, L, z);
-    else weigh_pieces_avx2<S, 1>(a, t, h, g0, buf, Lp, off, L, z);
-  }
-}
-
-using AttendFn = void (*)(const Args&, int64_t, int64_t, Scratch&);
+using AttendFn = void (*)(const Args&, const Run&, int64_t, Scratch&);
 constexpr AttendFn kAttendAvx512[8] = {attend_avx512<1>, attend_avx512<2>, attend_avx512<3>,
                                        attend_avx512<4>, attend_avx512<5>, attend_avx512<6>,
                                        attend_avx512<7>, attend_avx512<8>};
@@ -359,15 +439,24 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
     return;
   }
   const AttendFn attend = (get_isa() >= 2 ? kAttendAvx512 : kAttendAvx2)[D / 16 - 1];
-  // Threads take tasks as they go (parallel_tasks), the last token first: in a causal
+  std::vector<Run> runs;
+  const int64_t run_tokens = std::max<int64_t>(1, kRunRows / G);
+  for (int64_t t = 0, n; t < index.T; t += n) {
+    int64_t L = index.context_lens[t];
+    for (n = 1; n < run_tokens && t + n < index.T &&
+                index.token_seq[t + n] == index.token_seq[t]; ++n)
+      L = std::max<int64_t>(L, index.context_lens[t + n]);
+    runs.push_back({t, n, L});
+  }
+  // Threads take tasks as they go (parallel_tasks), the last run first: in a causal
   // prefill later tokens see more keys, and the longest tasks first share out best.
-  const int64_t n = index.T * HKV;
+  const int64_t n = (int64_t)runs.size() * HKV;
   parallel_tasks(n, [&](Tasks& tasks) {
     FlushDenormals guard;
     thread_local Scratch scratch;
     for (int64_t k; tasks.take(k);) {
       const int64_t task = n - 1 - k;
-      attend(a, task / HKV, task % HKV, scratch);
+      attend(a, runs[task / HKV], task % HKV, scratch);
     }
   });
 }

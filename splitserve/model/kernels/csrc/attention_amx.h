@@ -50,31 +50,6 @@ struct AmxAttnScratch {
   std::vector<bf16_t> pa;      // [Lp32 / 32][16][32]: p, row-major per 32-key step (A tiles)
 };
 
-// out[r] dword i = in[i] dword r (a 16 x 16 dword transpose, three interleave stages).
-AMX_TARGET inline void transpose_16x16_epi32(const __m512i* in, __m512i* out) {
-  __m512i a[16], w[16];
-  for (int i = 0; i < 16; i += 2) {
-    a[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
-    a[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // w[i + m], 128-bit lane j: column 4j + m of rows i..i+3
-    w[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-    w[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-    w[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-    w[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i c0 = _mm512_shuffle_i32x4(w[m], w[4 + m], 0x44);
-    const __m512i c1 = _mm512_shuffle_i32x4(w[m], w[4 + m], 0xEE);
-    const __m512i c2 = _mm512_shuffle_i32x4(w[8 + m], w[12 + m], 0x44);
-    const __m512i c3 = _mm512_shuffle_i32x4(w[8 + m], w[12 + m], 0xEE);
-    out[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-    out[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-    out[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-    out[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-  }
-}
-
 // [32 keys][16 rows] -> [16 rows][32 keys] (bf16): key pairs into dwords (row r's pair i of
 // p), then the dword transpose.
 AMX_TARGET inline void rows_of_keys(const bf16_t* keys, bf16_t* rows) {

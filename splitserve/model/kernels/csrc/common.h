@@ -125,24 +125,29 @@ AVX512_TARGET inline float tree16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-// tree16 of 16 vectors at once, lane j of the result = tree16(v[j]): the same additions of
-// the same operands, done 16 keys wide by a transpose network instead of one key at a time.
-AVX512_TARGET inline __m512 tree16x16(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int p = 0; p < 8; ++p)  // lanes i + (i+8): [a_2p(8) | a_2p+1(8)]
-    a[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int q = 0; q < 4; ++q)  // i + (i+4): 128-bit lane k holds b of key 4q+k
-    b[q] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int r = 0; r < 2; ++r)  // i + (i+2): lane k = [c0, c1 of key 8r+k, c0, c1 of 8r+4+k]
-    c[r] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // c0 + c1: element e of 128-bit lane k is key k + 4e
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, r);
+// out[r] dword i = in[i] dword r (a 16 x 16 dword transpose, three interleave stages).
+AVX512_TARGET inline void transpose_16x16_epi32(const __m512i* in, __m512i* out) {
+  __m512i a[16], w[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // w[i + m], 128-bit lane j: column 4j + m of rows i..i+3
+    w[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    w[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    w[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    w[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i c0 = _mm512_shuffle_i32x4(w[m], w[4 + m], 0x44);
+    const __m512i c1 = _mm512_shuffle_i32x4(w[m], w[4 + m], 0xEE);
+    const __m512i c2 = _mm512_shuffle_i32x4(w[8 + m], w[12 + m], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(w[8 + m], w[12 + m], 0xEE);
+    out[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    out[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+    out[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    out[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+  }
 }
 
 AVX2_TARGET inline float tree16(V16 v) {
@@ -150,23 +155,6 @@ AVX2_TARGET inline float tree16(V16 v) {
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-
-// tree16 of 8 keys at once, given each key's first level a[j] = lo + hi: lane j of the
-// result = tree16(V16 of key j), the same additions of the same operands (then i + (i+4),
-// i + (i+2), i + (i+1)), 8 keys wide.
-AVX2_TARGET inline __m256 tree16x8(const __m256 a[8]) {
-  __m256 b[4], c[2];
-  for (int p = 0; p < 4; ++p)  // 128-bit lane k holds b of key 2p+k
-    b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
-  for (int r = 0; r < 2; ++r)  // lane k = [c0, c1 of key 4r+k, c0, c1 of key 4r+2+k]
-    c[r] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(b[2 * r], b[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // c0 + c1: lane 0 holds keys 0, 2, 4, 6, lane 1 keys 1, 3, 5, 7
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // The largest of 8 lanes (exact in any order).

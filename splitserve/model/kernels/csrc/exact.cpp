@@ -8,10 +8,10 @@
 //   linear:    y[i, j] = bf16( fold over k-pairs p = 0 .. ceil(K/2)-1 of
 //                          acc = fma(x[2p+1], w[j, 2p+1], acc); acc = fma(x[2p], w[j, 2p], acc)
 //                          (+ bias[j]) )                       acc starts at +0.0
-//   attention: per query head, scores over keys 0..L-1 in position order (each a 64-lane
-//              dot in the same pair order, lanes summed by one fixed tree), softmax with
-//              an exact max, a 16-lane exp-sum folded by the same tree, and the output
-//              accumulated key by key.
+//   attention: per query head, scores over keys 0..L-1 in position order (each the same
+//              pairwise fold over head_dim), softmax with an exact max and bf16
+//              numerators, their 16-lane sum folded by one fixed tree, and the output the
+//              same fold over key pairs (attention.cpp).
 //
 // The AVX-512 BF16 path uses VDPBF16PS, whose definition is exactly the pair of FMAs above
 // (odd element first, denormals in and out flushed to zero, round to nearest even); the
