@@ -88,36 +88,35 @@ struct Scratch {
   std::vector<uint32_t> kt;      // [D/2][kTile]: a tile's keys by head_dim pair
   std::vector<uint32_t> vt;      // [kTile/2][D]: a tile's values by key pair (AVX-512)
   std::vector<float> kf;         // AVX2: [D/2][2][8] eight keys' pairs as fp32 (odd, even)
-  std::vector<int64_t> rows_L;   // [R]
-  std::vector<const bf16_t*> rows_q;  // [R]
-  std::vector<bf16_t*> rows_out;      // [R]
+  std::vector<int64_t> rows_L;   // [R]: each row's context
+  std::vector<bf16_t*> rows_out;  // [R]
 };
 
 // The run's rows: row r = (token t0 + r / G, head h * G + r % G).
 inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& sc) {
   const int64_t G = a.H / a.HKV, R = run.nt * G, DW = a.D / 2;
-  sc.rows_L.resize(R), sc.rows_q.resize(R), sc.rows_out.resize(R), sc.q.resize(R * DW);
+  sc.rows_L.resize(R), sc.rows_out.resize(R), sc.q.resize(R * DW);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = run.t0 + r / G, head = h * G + r % G;
     sc.rows_L[r] = a.ctx[t];
-    sc.rows_q[r] = a.q + t * a.q_tok + head * a.q_head;
     sc.rows_out[r] = a.out + (t * a.H + head) * a.D;
-    std::memcpy(sc.q.data() + r * DW, sc.rows_q[r], a.D * sizeof(bf16_t));
+    std::memcpy(sc.q.data() + r * DW, a.q + t * a.q_tok + head * a.q_head, a.D * sizeof(bf16_t));
   }
   key_offsets(a, run, h, sc.offsets);
   return R;
 }
 
 // ---- AVX-512 BF16 ----------------------------------------------------------------------
-// kt[i][j] = pair i of key l0 + j (zero past L): 16 x 16 dword transposes.
 // The next tile's rows of `base` (K or V) towards L1: a decode token's keys come from DRAM
 // through the block table, rows a token slot apart within a block, blocks anywhere.
 inline void prefetch_tile(const bf16_t* base, const int64_t* off, int64_t l0, int64_t L,
                           int64_t D) {
   for (int64_t l = l0; l < std::min(l0 + kTile, L); ++l)
-    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(base + off[l]) + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < D * 2; b += 64)
+      _mm_prefetch((const char*)(base + off[l]) + b, _MM_HINT_T0);
 }
 
+// kt[i][j] = pair i of key l0 + j (zero past L): 16 x 16 dword transposes.
 AVX512_TARGET void transpose_keys(const Args& a, const int64_t* off, int64_t l0, int64_t L,
                                   uint32_t* kt) {
   const int64_t DW = a.D / 2;
@@ -218,7 +217,21 @@ AVX512_TARGET void weigh_tile(const uint32_t* vt, int64_t j0, int64_t nj, const 
     for (int c = 0; c < DC; ++c)
       acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + r * D + 16 * c);
   }
-  for (int64_t j = 0; j < nj; ++j) {
+  // Pairs below `whole` are whole pairs of every row's context: no checks.
+  int64_t whole = nj;
+  for (int r = 0; r < NR; ++r) whole = std::min(whole, L[r] / 2 - j0);
+  int64_t j = 0;
+  for (; j < whole; ++j) {
+    __m512bh v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (j * DC + c) * 16);
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, p + r * Ls + 2 * (j0 + j), sizeof(pair));
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
+    }
+  }
+  for (; j < nj; ++j) {
     __m512bh v[DC];
     for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (j * DC + c) * 16);
     for (int r = 0; r < NR; ++r) {
