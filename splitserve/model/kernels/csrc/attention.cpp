@@ -107,20 +107,10 @@ inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& s
 }
 
 // ---- AVX-512 BF16 ----------------------------------------------------------------------
-// The next tile's rows of `base` (K or V) towards L1: a decode token's keys come from DRAM
-// through the block table, rows a token slot apart within a block, blocks anywhere.
-inline void prefetch_tile(const bf16_t* base, const int64_t* off, int64_t l0, int64_t L,
-                          int64_t D) {
-  for (int64_t l = l0; l < std::min(l0 + kTile, L); ++l)
-    for (int64_t b = 0; b < D * 2; b += 64)
-      _mm_prefetch((const char*)(base + off[l]) + b, _MM_HINT_T0);
-}
-
 // kt[i][j] = pair i of key l0 + j (zero past L): 16 x 16 dword transposes.
 AVX512_TARGET void transpose_keys(const Args& a, const int64_t* off, int64_t l0, int64_t L,
                                   uint32_t* kt) {
   const int64_t DW = a.D / 2;
-  prefetch_tile(a.k, off, l0 + kTile, L, a.D);
   for (int64_t half = 0; half < 2; ++half)
     for (int64_t c0 = 0; c0 < DW; c0 += 16) {
       const int64_t n = std::min<int64_t>(16, DW - c0);
@@ -189,7 +179,6 @@ AVX512_TARGET void pair_values(const Args& a, const int64_t* off, int64_t l0, in
                                                 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i idx = _mm512_load_si512(kIdx);  // words 0, 32, 1, 33, ...: dim d of each
   const int64_t DC = a.D / 16;
-  prefetch_tile(a.v, off, l0 + kTile, L, a.D);
   for (int64_t j = 0; j < kTile / 2; ++j) {
     const int64_t l = l0 + 2 * j;
     for (int64_t c = 0; c < DC; ++c) {
