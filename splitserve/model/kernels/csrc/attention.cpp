@@ -170,35 +170,57 @@ AVX512_TARGET float softmax_row(const float* s, int64_t L, int64_t Ls, bf16_t* p
   return tree16(sum);
 }
 
-// vt[j][d] = (v_{l0+2j}[d], v_{l0+2j+1}[d]) (zero past L): one two-source word permute per
-// 16 of head_dim and key pair.
-AVX512_TARGET void pair_values(const Args& a, const int64_t* off, int64_t l0, int64_t L,
-                               uint32_t* vt) {
+// (v_l[d], v_{l+1}[d]) for d = 16c .. 16c+15, a key at or past L zero: one two-source word
+// permute (idx: words 0, 32, 1, 33, ..., pair_index()).
+AVX512_TARGET inline __m512i pair_index() {
   alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
                                                 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
                                                 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx = _mm512_load_si512(kIdx);  // words 0, 32, 1, 33, ...: dim d of each
-  const int64_t DC = a.D / 16;
-  for (int64_t j = 0; j < kTile / 2; ++j) {
-    const int64_t l = l0 + 2 * j;
-    for (int64_t c = 0; c < DC; ++c) {
-      const __m512i e = l < L ? _mm512_zextsi256_si512(
-                                    _mm256_loadu_si256((const __m256i*)(a.v + off[l] + 16 * c)))
+  return _mm512_load_si512(kIdx);
+}
+AVX512_TARGET inline __m512i value_pair(const Args& a, const int64_t* off, int64_t l, int64_t L,
+                                        int64_t c, __m512i idx) {
+  const __m512i e = l < L ? _mm512_zextsi256_si512(
+                                _mm256_loadu_si256((const __m256i*)(a.v + off[l] + 16 * c)))
+                          : _mm512_setzero_si512();
+  const __m512i o = l + 1 < L ? _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                    (const __m256i*)(a.v + off[l + 1] + 16 * c)))
                               : _mm512_setzero_si512();
-      const __m512i o = l + 1 < L ? _mm512_zextsi256_si512(_mm256_loadu_si256(
-                                        (const __m256i*)(a.v + off[l + 1] + 16 * c)))
-                                  : _mm512_setzero_si512();
-      _mm512_storeu_si512(vt + (j * DC + c) * 16, _mm512_permutex2var_epi16(e, idx, o));
-    }
-  }
+  return _mm512_permutex2var_epi16(e, idx, o);
+}
+
+// A tile's value pairs: vt[j][c] (pair_values) for a run of several row groups, which all
+// read them; none for a run of one group (a decode token's): it builds each pair as it
+// weighs it (the store and reload of vt were a fifth of a decode token's attention).
+struct ValuePairs {
+  const Args& a;
+  const int64_t* off;
+  int64_t l0, L;
+  const uint32_t* vt;  // or null
+};
+
+// vt[j][c]: the tile's value pairs, once for all of a run's row groups.
+AVX512_TARGET void pair_values(const Args& a, const int64_t* off, int64_t l0, int64_t L,
+                               uint32_t* vt) {
+  const __m512i idx = pair_index();
+  const int64_t DC = a.D / 16;
+  for (int64_t j = 0; j < kTile / 2; ++j)
+    for (int64_t c = 0; c < DC; ++c)
+      _mm512_storeu_si512(vt + (j * DC + c) * 16, value_pair(a, off, l0 + 2 * j, L, c, idx));
 }
 
 // NR rows' output chains over the tile's key pairs j0 .. j0+nj-1 (a row's chain stops at
 // its own last pair), continued from acc (started at +0 on the first tile).
 template <int DC, int NR>
-AVX512_TARGET void weigh_tile(const uint32_t* vt, int64_t j0, int64_t nj, const bf16_t* p,
+AVX512_TARGET void weigh_tile(const ValuePairs& vp, int64_t j0, int64_t nj, const bf16_t* p,
                               int64_t Ls, const int64_t* L, float* acc_mem, bool first) {
   constexpr int64_t D = DC * 16;
+  const __m512i idx = pair_index();
+  auto load = [&](__m512bh* v, int64_t j) AVX512_TARGET {
+    for (int c = 0; c < DC; ++c)
+      v[c] = (__m512bh)(vp.vt ? _mm512_loadu_si512(vp.vt + (j * DC + c) * 16)
+                              : value_pair(vp.a, vp.off, vp.l0 + 2 * j, vp.L, c, idx));
+  };
   __m512 acc[NR][DC];
   int64_t np[NR];
   for (int r = 0; r < NR; ++r) {
@@ -212,7 +234,7 @@ AVX512_TARGET void weigh_tile(const uint32_t* vt, int64_t j0, int64_t nj, const 
   int64_t j = 0;
   for (; j < whole; ++j) {
     __m512bh v[DC];
-    for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (j * DC + c) * 16);
+    load(v, j);
     for (int r = 0; r < NR; ++r) {
       uint32_t pair;
       std::memcpy(&pair, p + r * Ls + 2 * (j0 + j), sizeof(pair));
@@ -222,7 +244,7 @@ AVX512_TARGET void weigh_tile(const uint32_t* vt, int64_t j0, int64_t nj, const 
   }
   for (; j < nj; ++j) {
     __m512bh v[DC];
-    for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (j * DC + c) * 16);
+    load(v, j);
     for (int r = 0; r < NR; ++r) {
       // (not _mm512_mask_dpbf16_ps: gcc 12 loads its 16-bit mask with kmovb, 8 lanes)
       if (j0 + j >= np[r]) continue;
@@ -247,13 +269,13 @@ constexpr int kScoreRows = 6;
 template <int DC> constexpr int kWeighRows = std::min(6, (30 - DC) / DC);
 
 template <int DC, int NR>
-AVX512_TARGET void weigh_rows(const uint32_t* vt, int64_t j0, int64_t nj, const bf16_t* p,
+AVX512_TARGET void weigh_rows(const ValuePairs& vp, int64_t j0, int64_t nj, const bf16_t* p,
                               int64_t Ls, const int64_t* L, float* acc, bool first, int64_t R) {
   int64_t r = 0;
   for (; r + NR <= R; r += NR)
-    weigh_tile<DC, NR>(vt, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16, first);
+    weigh_tile<DC, NR>(vp, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16, first);
   if constexpr (NR > 1)
-    if (r < R) weigh_rows<DC, NR - 1>(vt, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16,
+    if (r < R) weigh_rows<DC, NR - 1>(vp, j0, nj, p + r * Ls, Ls, L + r, acc + r * DC * 16,
                                       first, R - r);
 }
 
@@ -280,10 +302,12 @@ AVX512_TARGET void attend_avx512(const Args& a, const Run& run, int64_t h, Scrat
   for (int64_t r = 0; r < R; ++r)
     sc.z[r] = softmax_row(sc.s.data() + r * Ls, sc.rows_L[r], Ls, sc.p.data() + r * Ls);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
-    pair_values(a, off, l0, L, sc.vt.data());
+    const bool packed = R > kWeighRows<DC>;
+    if (packed) pair_values(a, off, l0, L, sc.vt.data());
+    const ValuePairs vp{a, off, l0, L, packed ? sc.vt.data() : nullptr};
     const int64_t nj = std::min<int64_t>(kTile / 2, (L - l0 + 1) / 2);
-    weigh_rows<DC, kWeighRows<DC>>(sc.vt.data(), l0 / 2, nj, sc.p.data(), Ls,
-                                   sc.rows_L.data(), sc.acc.data(), l0 == 0, R);
+    weigh_rows<DC, kWeighRows<DC>>(vp, l0 / 2, nj, sc.p.data(), Ls, sc.rows_L.data(),
+                                   sc.acc.data(), l0 == 0, R);
   }
   for (int64_t r = 0; r < R; ++r) {
     const __m512 z = _mm512_set1_ps(sc.z[r]);
