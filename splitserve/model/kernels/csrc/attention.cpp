@@ -92,10 +92,14 @@ struct Scratch {
   std::vector<bf16_t*> rows_out;  // [R]
 };
 
-// The run's rows: row r = (token t0 + r / G, head h * G + r % G).
+// Keys a row of the score and numerator buffers holds: L rounded up to the tile.
+inline int64_t tiled(int64_t L) { return (L + kTile - 1) / kTile * kTile; }
+
+// The run's rows, row r = (token t0 + r / G, head h * G + r % G), and the task's buffers.
 inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& sc) {
-  const int64_t G = a.H / a.HKV, R = run.nt * G, DW = a.D / 2;
+  const int64_t G = a.H / a.HKV, R = run.nt * G, DW = a.D / 2, Ls = tiled(run.L);
   sc.rows_L.resize(R), sc.rows_out.resize(R), sc.q.resize(R * DW);
+  sc.s.resize(R * Ls), sc.p.resize(R * Ls), sc.z.resize(R), sc.acc.resize(R * a.D);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = run.t0 + r / G, head = h * G + r % G;
     sc.rows_L[r] = a.ctx[t];
@@ -291,9 +295,8 @@ AVX512_TARGET void score_rows(const uint32_t* kt, int64_t DW, const uint32_t* q,
 template <int DC>  // head_dim / 16
 AVX512_TARGET void attend_avx512(const Args& a, const Run& run, int64_t h, Scratch& sc) {
   constexpr int64_t D = DC * 16, DW = D / 2;
-  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = (L + kTile - 1) / kTile * kTile;
+  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = tiled(L);
   const int64_t* off = sc.offsets.data();
-  sc.s.resize(R * Ls), sc.p.resize(R * Ls), sc.z.resize(R), sc.acc.resize(R * D);
   sc.kt.resize(DW * kTile), sc.vt.resize(kTile / 2 * D);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
     transpose_keys(a, off, l0, L, sc.kt.data());
@@ -386,9 +389,8 @@ AVX2_TARGET float softmax_row_avx2(const float* s, int64_t L, int64_t Ls, bf16_t
 template <int DC>  // head_dim / 16
 AVX2_TARGET void attend_avx2(const Args& a, const Run& run, int64_t h, Scratch& sc) {
   constexpr int64_t D = DC * 16, DW = D / 2;
-  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = (L + kTile - 1) / kTile * kTile;
+  const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = tiled(L);
   const int64_t* off = sc.offsets.data();
-  sc.s.resize(R * Ls), sc.p.resize(R * Ls), sc.z.resize(R), sc.acc.resize(R * D);
   sc.qf.resize(R * DW * 2), sc.kf.resize(DW * 16);
   for (int64_t r = 0; r < R * DW; ++r)
     sc.qf[2 * r] = odd_of(sc.q[r]), sc.qf[2 * r + 1] = even_of(sc.q[r]);
