@@ -111,6 +111,48 @@ inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& s
   return R;
 }
 
+// Cache rows (K or V, one head) prefetched toward the core. A decode token reads each row
+// once, gathered through its block table, where the hardware prefetcher loses the stride at
+// every block, and scores a tile in well under a DRAM latency: as both paths load a key's
+// K row for a tile's scores, they fetch the K row kTilesAhead tiles on into L2 and one tile
+// on into L1, and the key's V row into L2 (values are weighed after every score); before
+// weighing a tile, its successor's V rows into L1. Cache cold (30 layers in turn), one
+// thread, a Zen 4: a token over 2,000 keys 0.26 -> 0.12 ms a layer, 32 tokens over 255
+// keys each 1.1 -> 0.62 ms (docs/benchmarks.md, 2026-11-29 18:xx).
+// asm volatile: gcc 12 dropped every __builtin_prefetch / _mm_prefetch of prefetch_ahead
+// from the key loops it is inlined into (not one prefetch instruction in the binary).
+template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
+inline void prefetch_line(const char* p) {
+  if constexpr (Locality == 3) asm volatile("prefetcht0 %0" : : "m"(*p));
+  else asm volatile("prefetcht1 %0" : : "m"(*p));
+}
+template <int Locality>
+inline void prefetch_row(const bf16_t* row, int64_t D) {  // D <= 128: at most 4 lines
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < 2 * D; b += 64) prefetch_line<Locality>(p + b);
+}
+constexpr int kL1 = 3, kL2 = 2;
+template <int Locality>
+inline void prefetch_tile(const bf16_t* base, const int64_t* off, int64_t l0, int64_t L,
+                          int64_t D) {
+  for (int64_t l = l0; l < std::min(L, l0 + kTile); ++l) prefetch_row<Locality>(base + off[l], D);
+}
+constexpr int64_t kTilesAhead = 4;
+// Before a run's first tile: the K rows of its first kTilesAhead tiles.
+inline void prefetch_start(const Args& a, const int64_t* off, int64_t L) {
+  for (int64_t l = 0; l < std::min(L, kTilesAhead * kTile); ++l) {
+    if (l < kTile) prefetch_row<kL1>(a.k + off[l], a.D);
+    else prefetch_row<kL2>(a.k + off[l], a.D);
+  }
+}
+// As key l's K row is loaded: the K rows of l + kTilesAhead tiles (L2) and l + 1 tile
+// (L1), and V of l into L2.
+inline void prefetch_ahead(const Args& a, const int64_t* off, int64_t l, int64_t L) {
+  if (l + kTilesAhead * kTile < L) prefetch_row<kL2>(a.k + off[l + kTilesAhead * kTile], a.D);
+  if (l + kTile < L) prefetch_row<kL1>(a.k + off[l + kTile], a.D);
+  prefetch_row<kL2>(a.v + off[l], a.D);
+}
+
 // ---- AVX-512 BF16 ----------------------------------------------------------------------
 // kt[i][j] = pair i of key l0 + j (zero past L): 16 x 16 dword transposes.
 AVX512_TARGET void transpose_keys(const Args& a, const int64_t* off, int64_t l0, int64_t L,
@@ -123,6 +165,7 @@ AVX512_TARGET void transpose_keys(const Args& a, const int64_t* off, int64_t l0,
       __m512i in[16], out[16];
       for (int64_t j = 0; j < 16; ++j) {
         const int64_t l = l0 + 16 * half + j;
+        if (l < L && c0 == 0) prefetch_ahead(a, off, l, L);
         in[j] = l < L ? _mm512_maskz_loadu_epi32(m, a.k + off[l] + 2 * c0)
                       : _mm512_setzero_si512();
       }
@@ -299,13 +342,16 @@ AVX512_TARGET void attend_avx512(const Args& a, const Run& run, int64_t h, Scrat
   const int64_t R = prepare_rows(a, run, h, sc), L = run.L, Ls = tiled(L);
   const int64_t* off = sc.offsets.data();
   sc.kt.resize(DW * kTile), sc.vt.resize(kTile / 2 * D);
+  prefetch_start(a, off, L);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
     transpose_keys(a, off, l0, L, sc.kt.data());
     score_rows<kScoreRows>(sc.kt.data(), DW, sc.q.data(), a.scale, sc.s.data() + l0, Ls, R);
   }
   for (int64_t r = 0; r < R; ++r)
     sc.z[r] = softmax_row(sc.s.data() + r * Ls, sc.rows_L[r], Ls, sc.p.data() + r * Ls);
+  prefetch_tile<kL1>(a.v, off, 0, L, D);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
+    prefetch_tile<kL1>(a.v, off, l0 + kTile, L, D);
     const bool packed = R > kWeighRows<DC>;
     if (packed) pair_values(a, off, l0, L, sc.vt.data());
     const ValuePairs vp{a, off, l0, L, packed ? sc.vt.data() : nullptr};
@@ -366,6 +412,7 @@ AVX2_TARGET void widen_keys(const Args& a, const int64_t* off, int64_t l0, int64
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t l = l0 + 8 * g + j;
       rows[j] = l < L ? a.k + off[l] : nullptr;
+      if (l < L) prefetch_ahead(a, off, l, L);
     }
     for (int64_t c0 = 0; c0 < a.D / 2; c0 += 8) {
       __m256i r[8];
@@ -510,14 +557,6 @@ AVX2_TARGET void weigh_rows_avx2(const Args& a, const int64_t* off, int64_t j0, 
                                        acc + r * a.D, first, R - r);
 }
 
-// The next tile's K or V rows into L1: a decode token reads its cache once, through the
-// block table, where the hardware prefetcher loses the stride at every block.
-inline void prefetch_tile(const bf16_t* base, const int64_t* off, int64_t l0, int64_t L,
-                          int64_t D) {
-  for (int64_t l = l0; l < std::min(L, l0 + kTile); ++l)
-    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(base + off[l]) + b, _MM_HINT_T0);
-}
-
 template <int DC>  // head_dim / 16
 AVX2_TARGET void attend_avx2(const Args& a, const Run& run, int64_t h, Scratch& sc) {
   constexpr int64_t D = DC * 16, DW = D / 2;
@@ -526,16 +565,16 @@ AVX2_TARGET void attend_avx2(const Args& a, const Run& run, int64_t h, Scratch& 
   sc.qf.resize(R * DW * 2), sc.kf.resize(DW * 64);
   for (int64_t r = 0; r < R * DW; ++r)
     sc.qf[2 * r] = odd_of(sc.q[r]), sc.qf[2 * r + 1] = even_of(sc.q[r]);
+  prefetch_start(a, off, L);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
-    prefetch_tile(a.k, off, l0 + kTile, L, D);
     widen_keys(a, off, l0, L, sc.kf.data());
     score_rows_avx2<3>(sc.kf.data(), DW, sc.qf.data(), a.scale, sc.s.data() + l0, Ls, R);
   }
   for (int64_t r = 0; r < R; ++r)
     sc.z[r] = softmax_row_avx2(sc.s.data() + r * Ls, sc.rows_L[r], Ls);
-  prefetch_tile(a.v, off, 0, L, D);
+  prefetch_tile<kL1>(a.v, off, 0, L, D);
   for (int64_t l0 = 0; l0 < L; l0 += kTile) {
-    prefetch_tile(a.v, off, l0 + kTile, L, D);
+    prefetch_tile<kL1>(a.v, off, l0 + kTile, L, D);
     const int64_t nj = std::min<int64_t>(kTile / 2, (L - l0 + 1) / 2);
     weigh_rows_avx2<4>(a, off, l0 / 2, nj, sc.s.data(), Ls, sc.rows_L.data(), sc.acc.data(),
                        l0 == 0, R);
