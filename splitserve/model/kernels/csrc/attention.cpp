@@ -118,7 +118,7 @@ inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& s
 // on into L1, and the key's V row into L2 (values are weighed after every score); before
 // weighing a tile, its successor's V rows into L1. Cache cold (30 layers in turn), one
 // thread, a Zen 4: a token over 2,000 keys 0.26 -> 0.12 ms a layer, 32 tokens over 255
-// keys each 1.1 -> 0.62 ms (docs/benchmarks.md, 2026-11-29 18:xx).
+// keys each 1.1 -> 0.62 ms (docs/benchmarks.md, 2026-11-29 18:0x).
 // asm volatile: gcc 12 dropped every __builtin_prefetch / _mm_prefetch of prefetch_ahead
 // from the key loops it is inlined into (not one prefetch instruction in the binary).
 template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
@@ -143,6 +143,17 @@ inline void prefetch_start(const Args& a, const int64_t* off, int64_t L) {
   for (int64_t l = 0; l < std::min(L, kTilesAhead * kTile); ++l) {
     if (l < kTile) prefetch_row<kL1>(a.k + off[l], a.D);
     else prefetch_row<kL2>(a.k + off[l], a.D);
+  }
+}
+// The K rows of a run's first kTilesAhead tiles in head h into L2: a thread's next task
+// (likely the one after it in its share of the tasks) while it works on this one.
+inline void prefetch_run(const Args& a, const Run& run, int64_t h) {
+  const int32_t* table = a.tables + a.token_seq[run.t0] * a.table_stride;
+  const int64_t n = std::min(run.L, kTilesAhead * kTile);
+  for (int64_t l0 = 0, b = 0; l0 < n; l0 += a.block_size, ++b) {
+    const bf16_t* block = a.k + table[b] * a.blk_stride + h * a.D;
+    for (int64_t o = 0; o < std::min(a.block_size, n - l0); ++o)
+      prefetch_row<kL2>(block + o * a.tok_stride, a.D);
   }
 }
 // As key l's K row is loaded: the K rows of l + kTilesAhead tiles (L2) and l + 1 tile
@@ -639,6 +650,7 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
     thread_local Scratch scratch;
     for (int64_t k; tasks.take(k);) {
       const int64_t task = n - 1 - k;
+      if (task > 0) prefetch_run(a, runs[(task - 1) / HKV], (task - 1) % HKV);
       attend(a, runs[task / HKV], task % HKV, scratch);
     }
   });
