@@ -498,7 +498,7 @@ AVX2_TARGET float softmax_row_avx2(float* s, int64_t L, int64_t Ls) {
 
 // NR rows' output chains over the tile's key pairs j0 .. j0+nj-1, 16 of head_dim at a time,
 // the values widened straight from the cache: two unpacks turn a 16-value piece into dims
-// [0-3, 8-11] and [4-7, 12-15], the order acc keeps until the output (store_rows_avx2).
+// [0-3, 8-11] and [4-7, 12-15], the order acc keeps until attend_avx2 stores the output.
 // p: the numerators as fp32. As weigh_tile: a row's chain stops at its own last pair, and
 // an odd context's last pair weighs a zero value.
 template <int NR>
