@@ -26,6 +26,7 @@ from splitserve.model.fingerprint import model_fingerprint
 from splitserve.model.kernels import isa_name, kernels_version, use_exact_kernels_
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
+from splitserve.model.memory import huge_page_zeros
 from splitserve.model.packed import can_pack, pack_linears_
 from splitserve.model.quant import QUANTIZATIONS
 from splitserve.model.registry import build_model
@@ -87,10 +88,12 @@ class LLMEngine(EngineKV):
         bytes_per_block = (2 * self.spec.num_layers * cache.block_size * self.spec.num_kv_heads
                            * self.spec.head_dim * self.dtype.itemsize)
         num_blocks = cache.num_blocks or max(2, cache.kv_cache_memory_bytes // bytes_per_block)
-        # Zeroed so padded reads in attention never meet NaN garbage.
-        self.kv_cache = torch.zeros(
-            (self.spec.num_layers, 2, num_blocks, cache.block_size, self.spec.num_kv_heads,
-             self.spec.head_dim), dtype=self.dtype, device=self.device)
+        # Zeroed so padded reads in attention never meet NaN garbage; on CPU on 2 MB pages
+        # (a decode step reads it from DRAM, gathered by block: model/memory.py).
+        shape = (self.spec.num_layers, 2, num_blocks, cache.block_size,
+                 self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_cache = (huge_page_zeros(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         # Exact and fast kernels give other bits: their KV never mixes.
         self.fingerprint = model_fingerprint(
             self.spec, str(self.dtype).removeprefix("torch."), cache.block_size,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.model.memory import huge_page_copies
 from splitserve.model.quant import QUANTIZATIONS, int8_weights
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,8 @@ class ExactLinear(nn.Module):
 def use_exact_kernels_(model: nn.Module, quantization: str | None = None) -> nn.Module:
     """Replaces every nn.Linear (projections and LM head) by an ExactLinear (int8 weights
     with `quantization="int8"`), in place (a tied LM head gets its own packed copy; the
-    embedding keeps the plain weight), then switches every module that has an exact path
+    embedding keeps the plain weight), the packed weights on 2 MB pages (memory.py),
+    then switches every module that has an exact path
     to it: `uses_exact_kernels = True`, and `use_exact_kernels()` called where a module
     defines it (it may build on the packed projections: the decoder stack's one-call
     ExactDecoder)."""
@@ -202,6 +204,10 @@ def use_exact_kernels_(model: nn.Module, quantization: str | None = None) -> nn.
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, ExactLinear(child, quantization))
+    # every packed weight in one mapping of 2 MB pages, in the order a step reads them
+    linears = [m for m in model.modules() if isinstance(m, ExactLinear)]
+    for linear, packed in zip(linears, huge_page_copies([m.packed for m in linears])):
+        linear.packed = packed
     for module in model.modules():
         if hasattr(module, "uses_exact_kernels"):
             setattr(module, "uses_exact_kernels", True)
