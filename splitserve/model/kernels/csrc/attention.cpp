@@ -119,13 +119,6 @@ inline int64_t prepare_rows(const Args& a, const Run& run, int64_t h, Scratch& s
 // weighing a tile, its successor's V rows into L1. Cache cold (30 layers in turn), one
 // thread, a Zen 4: a token over 2,000 keys 0.26 -> 0.12 ms a layer, 32 tokens over 255
 // keys each 1.1 -> 0.62 ms (docs/benchmarks.md, 2026-11-29 18:0x).
-// asm volatile: gcc 12 dropped every __builtin_prefetch / _mm_prefetch of prefetch_ahead
-// from the key loops it is inlined into (not one prefetch instruction in the binary).
-template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
-inline void prefetch_line(const char* p) {
-  if constexpr (Locality == 3) asm volatile("prefetcht0 %0" : : "m"(*p));
-  else asm volatile("prefetcht1 %0" : : "m"(*p));
-}
 template <int Locality>
 inline void prefetch_row(const bf16_t* row, int64_t D) {  // D <= 128: at most 4 lines
   const char* p = reinterpret_cast<const char*>(row);
@@ -618,7 +611,7 @@ namespace exact {
 
 void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_t H,
                           const bf16_t* kv, const KvLayer& layout, const PagedIndex& index,
-                          float scale, bf16_t* out) {
+                          float scale, bf16_t* out, const PackedLinear* next) {
   const int64_t HKV = layout.kv_heads, D = layout.head_dim;
   TORCH_CHECK(D % 16 == 0 && D <= 128 && H % HKV == 0,
               "head_dim must be a multiple of 16 up to 128, heads a multiple of kv heads");
@@ -653,7 +646,7 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
       if (task > 0) prefetch_run(a, runs[(task - 1) / HKV], (task - 1) % HKV);
       attend(a, runs[task / HKV], task % HKV, scratch);
     }
-  });
+  }, [&](int64_t me) { return weights_share(next, index.T, me); });
 }
 
 }  // namespace exact

@@ -135,14 +135,16 @@ class ExactDecoder {
       exact::rms_norm_into(in, res_in, cdata(l.input_norm), T, H, eps_, sum1, h);
       exact::linear_into(h, T, l.qkv.w, qkv);
       exact::rope_write_kv_into(qkv, cdata(cos), cdata(sin), T, heads_, kv, layout, slots, q);
-      exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn);
-      exact::linear_into(attn, T, l.o.w, o);
+      // each op's early threads fetch the next linear's weights (ops.h)
+      exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn,
+                                  &l.o.w);
+      exact::linear_into(attn, T, l.o.w, o, &l.gate_up.w);
       const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
       exact::rms_norm_into(o, stream, cdata(l.post_norm), T, H, eps_, res_b, h2);
-      exact::linear_into(h2, T, l.gate_up.w, gate_up);
+      exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
       exact::silu_mul_into(gate_up, T, I, act);
       bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
-      exact::linear_into(act, T, l.down.w, y);
+      exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : nullptr);
       in = y;
       res_in = res_b;
     }
@@ -159,7 +161,7 @@ class ExactDecoder {
 
 void register_decoder(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<ExactDecoder>(m, "ExactDecoder")
+  py::class_<ExactDecoder>(m, "ExactDecoder", py::module_local())
       .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
                     int64_t, double, double>())
       .def("num_layers", &ExactDecoder::num_layers)
