@@ -104,7 +104,7 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
 // of at most one micro-kernel's rows (decode) reads its weights once, so the AVX2 path
 // prefetches them (the AVX-512 path measured slower with it at this VM's fast moments),
 // and a thread out of tasks fetches its share of the next linear's weights while the
-// others finish (`next`, parallel_tasks; a batch-1 step 1-3% faster). A task of more
+// others finish (`next`, parallel_tasks; a batch-1 step 1-2% faster). A task of more
 // rows first widens its group once, into a per-thread buffer that stays in L2: to fp32
 // for the AVX2 panels (linear_micro.h), and an int8 group to bf16 for the AVX-512
 // micro-kernels. The same values, so the same bits, with the widening paid once per 60
