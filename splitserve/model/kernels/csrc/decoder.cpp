@@ -161,6 +161,8 @@ class ExactDecoder {
 
 void register_decoder(pybind11::module& m) {
   namespace py = pybind11;
+  // module-local: two builds of the kernels can be loaded side by side in one process
+  // (in-process A/B of kernel changes, docs/benchmarks.md, 2026-11-29 21:20)
   py::class_<ExactDecoder>(m, "ExactDecoder", py::module_local())
       .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
                     int64_t, double, double>())
