@@ -289,17 +289,12 @@ def measure_linear_flops(shapes: list[tuple[int, int]], rows: int, num_layers: i
 
 
 def measure_dram_read_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Ceiling:
-    """Bytes/s of reading a filled buffer of `nbytes` (fp32 sum), current thread count.
-
-    The buffer is on 2 MB pages, as the engine's weights and KV cache are
-    (splitserve/model/memory.py): the same sum over 4 KB pages read ~10% slower on a Zen 4
-    VM, a lower ceiling than the engine's own reads. It is written first: never-touched
-    memory maps the zero page and reads at impossible speed.
-    """
+    """Bytes/s of summing a filled fp32 buffer of `nbytes` on 2 MB pages, as the engine's
+    weights are (on 4 KB pages it read ~10% slower on a Zen 4). Filled first: untouched
+    memory maps the zero page and reads at impossible speed."""
     buf = huge_page_buffer(nbytes).view(torch.float32)
     buf.fill_(1.0)
     times = timed(lambda: buf.sum(), reps, warmup=2)
-    del buf
     return Ceiling(nbytes / median(times), nbytes / min(times), "B/s")
 
 
