@@ -38,13 +38,12 @@ class ModelRunner:
             offset += len(s.token_ids)
             if s.sample is not None:
                 ends.append(offset - 1)
+        # not a decode-only step: the sampled positions alone
+        rows = self._ints(ends, np.int64) if len(ends) < offset else None
         with forward_context(meta):
-            hidden = self.model(input_ids, positions)
+            logits = self.model.sampled_logits(input_ids, positions, rows)
         result = RunnerOutput(num_computed_tokens=offset)
         if sampled_seqs:
-            if len(ends) < offset:  # not a decode-only step: the sampled positions alone
-                hidden = hidden[self._ints(ends, np.int64)]
-            logits = self.model.compute_logits(hidden)
             tokens = sample(logits, [s.sample for s in sampled_seqs])  # type: ignore[misc]
             result.sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens)}
         return result

@@ -68,23 +68,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings,
                                       spec.rope_theta, spec.rope_scaling)
         self.spec = spec
-        self.exact_decoder: Any = None  # kernels.exact_decoder, set by use_exact_kernels
-
-    def use_exact_kernels(self) -> None:
-        """The exact path: every layer in one C++ call per step (kernels.exact_decoder),
-        built on the packed projections kernels.use_exact_kernels_ put in place."""
-        tensors: list[torch.Tensor] = []
-        layer: Any  # its projections are ExactLinears now
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            tensors += [layer.input_layernorm.weight.detach(),
-                        layer.post_attention_layernorm.weight.detach()]
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                tensors += proj.operands()
-        s = self.spec
-        self.exact_decoder = kernels.exact_decoder(
-            tensors, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
-            s.intermediate_size, s.rms_norm_eps)
+        # kernels.exact_decoder, set by LlamaForCausalLM.use_exact_kernels
+        self.exact_decoder: Any = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
@@ -130,6 +115,28 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def use_exact_kernels(self) -> None:
+        """The exact path: the decoder stack in one C++ call per step (kernels.exact_decoder),
+        built on the packed projections kernels.use_exact_kernels_ put in place, and with
+        the model's ends (embedding, rotary tables, final norm, LM head) for
+        `sampled_logits`."""
+        tensors: list[torch.Tensor] = []
+        m: Any = self.model  # its projections are ExactLinears now
+        for layer in m.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight.detach(),
+                        layer.post_attention_layernorm.weight.detach()]
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                tensors += proj.operands()
+        head: Any = self.lm_head
+        bf16 = torch.bfloat16  # the tables as RotaryEmbedding.table gives them a step
+        ends = [m.embed_tokens.weight.detach(), m.rotary.cos.to(bf16),
+                m.rotary.signed_sin.to(bf16), m.norm.weight.detach(), *head.operands()]
+        s = self.spec
+        m.exact_decoder = kernels.exact_decoder(
+            tensors, ends, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
+            s.intermediate_size, s.rms_norm_eps)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for a flat batch; needs a forward_context."""
         return self.model(input_ids, positions)
@@ -137,6 +144,29 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] for the n positions that will be sampled."""
         return self.lm_head(hidden).float()
+
+    def sampled_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       rows: torch.Tensor | None) -> torch.Tensor:
+        """A step: fp32 logits [n, vocab] of the flat batch's `rows` (every row when None),
+        as compute_logits(forward(...)[rows]); needs a forward_context. On the exact path
+        without a layer hook, one C++ call from token ids to logits: after the layers have
+        streamed every weight through the caches, each torch op made from Python costs
+        ~20-50 us (~5 warm), and a decode step made ~10 of them."""
+        meta = get_forward_context()
+        decoder = self.model.exact_decoder
+        if decoder is not None and meta.on_layer_end is None:
+            e = meta.exact
+            assert e is not None, "the exact kernels need the runner's exact batch"
+            logits: torch.Tensor = decoder.logits(
+                input_ids, positions, meta.kv_cache, meta.slot_mapping, e.block_tables,
+                e.token_seq, e.context_lens, rows)
+            return logits
+        hidden = self(input_ids, positions)
+        if rows is not None:
+            hidden = hidden[rows]
+        if not len(hidden):
+            return hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
+        return self.compute_logits(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -56,12 +56,12 @@ class LogitsLedger:
         self._model: str | None = None
 
     def watch(self, llm: LLM, model: str) -> None:
-        compute_logits = llm.engine.model.compute_logits
+        sampled_logits = llm.engine.model.sampled_logits
 
-        def tagged(hidden: torch.Tensor) -> torch.Tensor:
+        def tagged(*args: Any) -> torch.Tensor:
             self._model = model
-            return compute_logits(hidden)
-        llm.engine.model.compute_logits = tagged  # type: ignore[method-assign]
+            return sampled_logits(*args)
+        llm.engine.model.sampled_logits = tagged  # type: ignore[method-assign]
 
     def wrap(self, sample: Callable[..., Any]) -> Callable[..., Any]:
         def checked(logits: torch.Tensor, specs: list[SampleSpec]) -> Any:

@@ -105,3 +105,50 @@ def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool,
             assert not torch.equal(kv0, kv_want)  # the step did write its KV
     finally:
         ops.set_isa(before)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
+        quantization: str | None) -> None:
+    """sampled_logits (the embedding, rotary rows, layers, final norm and LM head in one C++
+    call) against compute_logits over the eager stack's rows: the same bits and KV writes,
+    for every row, some rows and none, on every ISA; with a layer hook the module path."""
+    model = _model(False, quantization)
+    ops = kernels.load()
+    before = ops.get_isa()
+    try:
+        for isa in range(1, before + 1):
+            ops.set_isa(isa)
+            for rows in (None, torch.tensor([19, 20, 21]), torch.tensor([21, 0]),
+                         torch.tensor([], dtype=torch.long)):
+                meta, ids, positions = _step(model)
+                kv0 = meta.kv_cache.clone()
+                with torch.inference_mode():
+                    hidden = _eager(model, meta, ids, positions)
+                    want = model.compute_logits(hidden if rows is None else hidden[rows])
+                kv_want = meta.kv_cache.clone()
+                for hook in (None, []):
+                    meta.kv_cache.copy_(kv0)
+                    meta.on_layer_end = None if hook is None else hook.append
+                    with forward_context(meta), torch.inference_mode():
+                        got = model.sampled_logits(ids, positions, rows)
+                    assert got.dtype == torch.float32
+                    assert got.shape == (len(ids) if rows is None else len(rows), 300)
+                    assert torch.equal(got, want), (isa, rows, hook)
+                    assert torch.equal(meta.kv_cache, kv_want), (isa, rows, hook)
+    finally:
+        ops.set_isa(before)
+
+
+def test_a_one_call_step_refuses_ids_positions_and_rows_out_of_range() -> None:
+    model = _model(False)
+    meta, ids, positions = _step(model)
+    bad = [(ids.clone().fill_(300), positions, None, "token id 300 out of range"),
+           (ids.clone().fill_(-1), positions, None, "token id -1 out of range"),
+           (ids, positions.clone().fill_(512), None, "position 512 out of range"),
+           (ids, positions, torch.tensor([22]), "row 22 out of range"),
+           (ids.int(), positions, None, "must be int64")]
+    for i, p, rows, message in bad:
+        with forward_context(meta), torch.inference_mode():
+            with pytest.raises(RuntimeError, match=message):
+                model.sampled_logits(i, p, rows)

@@ -8,6 +8,8 @@ tiny random ones, whose logits are small and flat), and the test requires that m
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -108,12 +110,12 @@ def test_exact_bf16_engine_is_as_close_to_hf_fp32_as_hf_bf16(hf_reference_smollm
     llm = LLM(device="cpu", num_blocks=512, debug_invariants=True)  # the exact kernels' device
     assert llm.engine.batch_invariant
     rows: list[torch.Tensor] = []
-    compute_logits = llm.engine.model.compute_logits
+    sampled_logits = llm.engine.model.sampled_logits
 
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        rows.append(compute_logits(hidden))
+    def capture(*args: Any) -> torch.Tensor:
+        rows.append(sampled_logits(*args))
         return rows[-1]
-    llm.engine.model.compute_logits = capture  # type: ignore[method-assign]
+    llm.engine.model.sampled_logits = capture  # type: ignore[method-assign]
     hf32 = hf_reference_smollm2
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     tok = llm.tokenizer

@@ -12,6 +12,7 @@
 // 512 tokens, fresh pages the allocator handed back and forth, 18 ms of a 190 ms prefill.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -53,10 +54,13 @@ class ExactDecoder {
   // tensors: per layer, in order: input norm weight, post-attention norm weight, then for
   // QKV, O, gate/up and down: the packed weight, its fp32 scales (int8 weights) and its fp32
   // bias, each an empty tensor when absent. scale: the attention's softmax scale
-  // (head_dim ** -0.5, from Python's float).
-  ExactDecoder(const std::vector<at::Tensor>& tensors, int64_t hidden, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale)
+  // (head_dim ** -0.5, from Python's float). ends: empty, or the model's ends for
+  // logits(): the token embedding (bf16 [V, hidden]), the rotary cos and signed sin tables
+  // (bf16 [positions, head_dim]), the final norm's weight, and the LM head's packed weight,
+  // scales and bias (as a projection's).
+  ExactDecoder(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& ends,
+               int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               int64_t intermediate, double eps, double scale)
       : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim),
         qkv_out_((num_heads + 2 * num_kv_heads) * head_dim), intermediate_(intermediate),
         eps_((float)eps), scale_((float)scale) {
@@ -65,13 +69,22 @@ class ExactDecoder {
     const int64_t q_out = num_heads * head_dim;
     for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
       const at::Tensor* t = tensors.data() + i;
-      for (int k = 0; k < 2; ++k)
-        TORCH_CHECK(t[k].scalar_type() == at::kBFloat16 && t[k].is_contiguous() &&
-                    t[k].numel() == hidden, "norm weights must be contiguous bfloat16 [hidden]");
+      for (int k = 0; k < 2; ++k) check_norm(t[k], hidden);
       layers_.push_back(Layer{t[0], t[1], Proj(t + 2, hidden, qkv_out_), Proj(t + 5, q_out, hidden),
                               Proj(t + 8, hidden, 2 * intermediate),
                               Proj(t + 11, intermediate, hidden)});
     }
+    if (ends.empty()) return;
+    TORCH_CHECK(ends.size() == 7, "ExactDecoder: ends are 7 tensors");
+    const at::Tensor& emb = ends[0];
+    TORCH_CHECK(emb.scalar_type() == at::kBFloat16 && emb.is_contiguous() && emb.dim() == 2 &&
+                emb.size(1) == hidden, "the embedding must be contiguous bfloat16 [V, hidden]");
+    for (const at::Tensor* t : {&ends[1], &ends[2]})
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 2 &&
+                  t->size(1) == head_dim && t->size(0) == ends[1].size(0),
+                  "the rotary tables must be contiguous bfloat16 [positions, head_dim]");
+    check_norm(ends[3], hidden);
+    ends_.emplace(Ends{emb, ends[1], ends[2], ends[3], Proj(ends.data() + 4, hidden, emb.size(0))});
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -85,6 +98,80 @@ class ExactDecoder {
       const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
       const at::Tensor& block_tables, const at::Tensor& token_seq,
       const at::Tensor& context_lens, int64_t begin, int64_t end) const {
+    return layers(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
+                  context_lens, begin, end, nullptr);
+  }
+
+  // A whole step from token ids to fp32 logits [n, V] of `rows` (the flat batch's rows
+  // that sample; every row when none): the embedding, the rotary tables' rows, the layers,
+  // the final norm and the LM head, with the same kernels and operands as forward() and
+  // the Python ops around it, so the same bits, without the ~10 torch ops a step made
+  // from Python after the layers had streamed every weight through the caches (each
+  // ~20-50 us there against ~5 warm). input_ids, positions [T] int64; rows [n] int64.
+  at::Tensor logits(const at::Tensor& input_ids, const at::Tensor& positions,
+                    at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& token_seq,
+                    const at::Tensor& context_lens, const c10::optional<at::Tensor>& rows) const {
+    TORCH_CHECK(ends_, "ExactDecoder: built without the model's ends");
+    const Ends& e = *ends_;
+    const int64_t T = input_ids.numel(), H = hidden_, D = head_dim_, V = e.embedding.size(0);
+    for (const at::Tensor* t : {&input_ids, &positions})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 &&
+                  t->numel() == T && T > 0, "input_ids and positions must be int64 [T], T > 0");
+    if (rows) {
+      TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->dim() == 1,
+                  "rows must be int64 [n]");
+      const int64_t* r = rows->data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows->numel(); ++i)
+        TORCH_CHECK(r[i] >= 0 && r[i] < T, "row ", r[i], " out of range");
+    }
+    const auto bf16 = e.embedding.options();
+    at::Tensor x = at::empty({T, H}, bf16), cos = at::empty({T, D}, bf16),
+               sin = at::empty({T, D}, bf16);
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " out of range");
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < e.cos.size(0), "position ", pos[t], " out of range");
+      std::memcpy(data(x) + t * H, cdata(e.embedding) + ids[t] * H, H * sizeof(bf16_t));
+      std::memcpy(data(cos) + t * D, cdata(e.cos) + pos[t] * D, D * sizeof(bf16_t));
+      std::memcpy(data(sin) + t * D, cdata(e.sin) + pos[t] * D, D * sizeof(bf16_t));
+    }
+    auto [y, stream] = layers(x, c10::nullopt, cos, sin, kv_cache, slot_mapping, block_tables,
+                              token_seq, context_lens, 0, num_layers(), &e.head.w);
+    if (rows) {  // the sampled rows alone (the norm and the head are row by row)
+      const int64_t* r = rows->data_ptr<int64_t>();
+      at::Tensor ys = at::empty({rows->numel(), H}, bf16), ss = at::empty_like(ys);
+      for (int64_t i = 0; i < rows->numel(); ++i) {
+        std::memcpy(data(ys) + i * H, cdata(y) + r[i] * H, H * sizeof(bf16_t));
+        std::memcpy(data(ss) + i * H, cdata(stream) + r[i] * H, H * sizeof(bf16_t));
+      }
+      y = ys, stream = ss;
+    }
+    const int64_t n = y.size(0);
+    at::Tensor out = at::empty({n, V}, bf16.dtype(at::kFloat));
+    if (n == 0) return out;
+    at::Tensor h = at::empty({n, H}, bf16), sum = at::empty({n, H}, bf16);
+    exact::rms_norm_into(cdata(y), cdata(stream), cdata(e.norm), n, H, eps_, data(sum), data(h));
+    at::Tensor head = at::empty({n, V}, bf16);
+    exact::linear_into(cdata(h), n, e.head.w, data(head));
+    const bf16_t* src = cdata(head);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {  // bf16 -> fp32
+      for (int64_t i = begin * V; i < end * V; ++i) dst[i] = (uint32_t)src[i] << 16;
+    });
+    return out;
+  }
+
+ private:
+  // Layers [begin, end) as forward(); `after`: the linear that runs next (the LM head),
+  // whose weights the last layer's early threads fetch.
+  std::tuple<at::Tensor, at::Tensor> layers(
+      at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& cos,
+      const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+      const at::Tensor& block_tables, const at::Tensor& token_seq,
+      const at::Tensor& context_lens, int64_t begin, int64_t end,
+      const exact::PackedLinear* after) const {
     TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers out of range");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
                 kv_cache.is_contiguous(), "kv_cache must be contiguous [layers, 2, NBLK, BS, HKV, D]");
@@ -144,15 +231,24 @@ class ExactDecoder {
       exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
       exact::silu_mul_into(gate_up, T, I, act);
       bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
-      exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : nullptr);
+      exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : after);
       in = y;
       res_in = res_b;
     }
     return {out_x, out_res};
   }
 
- private:
+  static void check_norm(const at::Tensor& w, int64_t hidden) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == hidden,
+                "norm weights must be contiguous bfloat16 [hidden]");
+  }
+
+  struct Ends {
+    at::Tensor embedding, cos, sin, norm;
+    Proj head;
+  };
   std::vector<Layer> layers_;
+  c10::optional<Ends> ends_;
   mutable std::mutex workspace_mutex_;
   mutable at::Tensor workspace_;  // bf16, grown to the largest step seen
   int64_t hidden_, heads_, kv_heads_, head_dim_, qkv_out_, intermediate_;
@@ -164,8 +260,9 @@ void register_decoder(pybind11::module& m) {
   // module-local: two builds of the kernels can be loaded side by side in one process
   // (in-process A/B of kernel changes, docs/benchmarks.md, 2026-11-29 21:20)
   py::class_<ExactDecoder>(m, "ExactDecoder", py::module_local())
-      .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
-                    int64_t, double, double>())
+      .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t,
+                    int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("num_layers", &ExactDecoder::num_layers)
-      .def("forward", &ExactDecoder::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &ExactDecoder::forward, py::call_guard<py::gil_scoped_release>())
+      .def("logits", &ExactDecoder::logits, py::call_guard<py::gil_scoped_release>());
 }
