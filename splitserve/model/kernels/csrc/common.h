@@ -1,12 +1,12 @@
 // Shared by the exact kernels: types, ISA targets, bf16 rounding, MXCSR flushing.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
+
+#include "tasks.h"
 
 namespace exact {
 
@@ -14,104 +14,6 @@ using bf16_t = uint16_t;
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
-
-// One cache line fetched toward the core. asm volatile: gcc 12 dropped every
-// __builtin_prefetch / _mm_prefetch of the attention's key loops they were inlined into
-// (not one prefetch instruction in the binary).
-template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
-inline void prefetch_line(const void* p) {
-  if constexpr (Locality == 3) asm volatile("prefetcht0 %0" : : "m"(*(const char*)p));
-  else asm volatile("prefetcht1 %0" : : "m"(*(const char*)p));
-}
-
-// Tasks [0, n) of one parallel region. Each thread starts with a contiguous share, as
-// at::parallel_for would hand it, and when its share is done takes the rest of another's.
-// On cores the engine shares (the frontend, the client, the KV listener beside it) the OS
-// preempts one thread now and then; with fixed shares the region ends when that thread's
-// does, the others waiting at the barrier; here they take over its tasks. Each share's
-// counter has its own cache line, so taking from one's own share costs an uncontended
-// atomic add (one counter for all threads cost ~0.5 ms more a decode step than fixed
-// shares on a Zen 1: its line moved between the cores at every task). A task's outputs are its own and computed by
-// the same code whichever thread runs it, so the bits do not depend on who takes what.
-class TaskShares {
- public:
-  static constexpr int64_t kMaxThreads = 64;
-  TaskShares(int64_t n, int64_t threads) : threads_(std::min(threads, kMaxThreads)) {
-    for (int64_t t = 0; t < threads_; ++t) {
-      share_[t].next.store(n * t / threads_, std::memory_order_relaxed);
-      share_[t].end = n * (t + 1) / threads_;
-    }
-  }
-  int64_t threads() const { return threads_; }
-
-  // The next task of thread `me`'s share, else one from another share; false when none
-  // is left.
-  bool take(int64_t me, int64_t& task) {
-    for (int64_t i = 0; i < threads_; ++i) {
-      Share& s = share_[(me + i) % threads_];
-      if (s.next.load(std::memory_order_relaxed) >= s.end) continue;
-      task = s.next.fetch_add(1, std::memory_order_relaxed);
-      if (task < s.end) return true;
-    }
-    return false;
-  }
-
-  // `k` threads found no task left; true while others still run theirs.
-  bool finish(int64_t k) {
-    return working_.fetch_sub(k, std::memory_order_acq_rel) > k;
-  }
-  bool working() const { return working_.load(std::memory_order_relaxed) > 0; }
-
- private:
-  struct alignas(64) Share {
-    std::atomic<int64_t> next{0};
-    int64_t end = 0;
-  };
-  const int64_t threads_;
-  Share share_[kMaxThreads];
-  alignas(64) std::atomic<int64_t> working_{threads_};
-};
-
-// One thread's view of the shares: `take(task)` until it returns false.
-class Tasks {
- public:
-  Tasks(TaskShares& shares, int64_t me) : shares_(shares), me_(me) {}
-  bool take(int64_t& task) { return shares_.take(me_, task); }
-
- private:
-  TaskShares& shares_;
-  const int64_t me_;
-};
-
-// Bytes a thread will read in the next op (its share of the next linear's weights).
-struct Span {
-  const char* p = nullptr;
-  int64_t bytes = 0;
-};
-
-// Runs worker(tasks) on up to `n` threads of the pool (once, inline, inside a parallel
-// region); the workers take tasks [0, n) between them until none is left. A thread that
-// finds none left while others still work fetches `next_read(me)` into L2 meanwhile,
-// 4 KB at a time, until the last one is done (then it goes to the barrier): in a decode
-// step the ops run one after another, and the weights are read from DRAM once each.
-template <typename F, typename Next>
-void parallel_tasks(int64_t n, const F& worker, const Next& next_read) {
-  if (n <= 0) return;
-  TaskShares shares(n, std::min<int64_t>(n, at::get_num_threads()));
-  at::parallel_for(0, shares.threads(), 1, [&](int64_t me, int64_t end) {
-    Tasks tasks(shares, me);
-    worker(tasks);
-    if (!shares.finish(end - me)) return;
-    const Span s = next_read(me);
-    constexpr int64_t kStep = 4096;
-    for (int64_t o = 0; o < s.bytes && shares.working(); o += kStep)
-      for (int64_t b = o; b < std::min(s.bytes, o + kStep); b += 64) prefetch_line<2>(s.p + b);
-  });
-}
-template <typename F>
-void parallel_tasks(int64_t n, const F& worker) {
-  parallel_tasks(n, worker, [](int64_t) { return Span{}; });
-}
 
 // MXCSR FTZ | DAZ for this thread while in scope: the AVX2 path's FMAs then flush
 // denormals as VDPBF16PS does; the AVX-512 path's adds and multiplies alike.

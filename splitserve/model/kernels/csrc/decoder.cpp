@@ -211,30 +211,54 @@ class ExactDecoder {
     bf16_t* const act = p;
     bf16_t* const res_b = data(out_res);  // the last layer's post-attention sum lands here
 
-    bf16_t* kv = data(kv_cache) + begin * layout.numel();
-    const bf16_t* in = cdata(x);
-    const bf16_t* res_in = has_res ? cdata(*residual) : nullptr;
-    for (int64_t i = begin; i < end; ++i, kv += layout.numel()) {
-      const Layer& l = layers_[i];
-      // Residual sums: res_a after attention's input norm, res_b after the MLP's (which
-      // is out_res: the last layer's is what forward returns).
-      bf16_t* const sum1 = res_in ? res_a : nullptr;
-      exact::rms_norm_into(in, res_in, cdata(l.input_norm), T, H, eps_, sum1, h);
-      exact::linear_into(h, T, l.qkv.w, qkv);
-      exact::rope_write_kv_into(qkv, cdata(cos), cdata(sin), T, heads_, kv, layout, slots, q);
-      // each op's early threads fetch the next linear's weights (ops.h)
-      exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn,
-                                  &l.o.w);
-      exact::linear_into(attn, T, l.o.w, o, &l.gate_up.w);
-      const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
-      exact::rms_norm_into(o, stream, cdata(l.post_norm), T, H, eps_, res_b, h2);
-      exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
-      exact::silu_mul_into(gate_up, T, I, act);
-      bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
-      exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : after);
-      in = y;
-      res_in = res_b;
-    }
+    bf16_t* const kv0 = data(kv_cache) + begin * layout.numel();
+    const bf16_t* const x0 = cdata(x);
+    const bf16_t* const res0 = has_res ? cdata(*residual) : nullptr;
+    const bf16_t *cos_p = cdata(cos), *sin_p = cdata(sin);
+    const int64_t D = head_dim_;
+    // Every thread of the team runs this (each with its own loop state); the row-wise ops
+    // split the rows, the others share their tasks out (parallel_tasks), and each op ends
+    // at the team's barrier. AMX runs each op in a region of its own (its attention packs
+    // V into the caller's buffer; the team is not measured there yet).
+    auto stack = [&] {
+      const exact::TeamView team;
+      const auto [r0, r1] = team.rows(T);
+      const int64_t m = r1 - r0;
+      bf16_t* kv = kv0;
+      const bf16_t* in = x0;
+      const bf16_t* res_in = res0;
+      for (int64_t i = begin; i < end; ++i, kv += layout.numel()) {
+        const Layer& l = layers_[i];
+        // Residual sums: res_a after attention's input norm, res_b after the MLP's (which
+        // is out_res: the last layer's is what forward returns).
+        bf16_t* const sum1 = res_in ? res_a : nullptr;
+        exact::rms_norm_into(in + r0 * H, res_in ? res_in + r0 * H : nullptr,
+                             cdata(l.input_norm), m, H, eps_, sum1 ? sum1 + r0 * H : nullptr,
+                             h + r0 * H);
+        team.barrier();
+        exact::linear_into(h, T, l.qkv.w, qkv);
+        exact::rope_write_kv_into(qkv + r0 * qkv_out_, cos_p + r0 * D, sin_p + r0 * D, m,
+                                  heads_, kv, layout, slots + r0, q + r0 * qd);
+        team.barrier();
+        // each op's early threads fetch the next linear's weights (ops.h)
+        exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn,
+                                    &l.o.w);
+        exact::linear_into(attn, T, l.o.w, o, &l.gate_up.w);
+        const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
+        exact::rms_norm_into(o + r0 * H, stream + r0 * H, cdata(l.post_norm), m, H, eps_,
+                             res_b + r0 * H, h2 + r0 * H);
+        team.barrier();
+        exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
+        exact::silu_mul_into(gate_up + r0 * 2 * I, m, I, act + r0 * I);
+        team.barrier();
+        bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
+        exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : after);
+        in = y;
+        res_in = res_b;
+      }
+    };
+    if (get_isa() >= 3) stack();
+    else exact::Team::run(stack);
     return {out_x, out_res};
   }
 

@@ -224,7 +224,8 @@ Span weights_share(const PackedLinear* w, int64_t M, int64_t me) {
   constexpr int64_t kMaxBytes = 512 << 10;  // well inside a core's L2
   if (!w || M == 0 || M > 60) return {};  // more rows: the group is reused from L2 anyway
   const int64_t groups = (w->nblk + kMaxBlocks - 1) / kMaxBlocks;
-  const int64_t threads = std::min<int64_t>(groups, at::get_num_threads());
+  const Team* team = Team::current();
+  const int64_t threads = std::min<int64_t>(groups, team ? team->threads() : at::get_num_threads());
   if (me >= threads) return {};
   const int64_t block_bytes = w->KP * 2 * kLanes * (w->int8 ? 1 : 2);
   const int64_t b0 = groups * me / threads * kMaxBlocks;

@@ -1,0 +1,260 @@
+// How the exact kernels share work among threads: tasks a parallel region's threads take
+// between them (parallel_tasks), what a thread done early fetches meanwhile, and the team
+// a whole decoder call runs in (one parallel region for all of its ops).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace exact {
+
+// One cache line fetched toward the core. asm volatile: gcc 12 dropped every
+// __builtin_prefetch / _mm_prefetch of the attention's key loops they were inlined into
+// (not one prefetch instruction in the binary).
+template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
+inline void prefetch_line(const void* p) {
+  if constexpr (Locality == 3) asm volatile("prefetcht0 %0" : : "m"(*(const char*)p));
+  else asm volatile("prefetcht1 %0" : : "m"(*(const char*)p));
+}
+
+// Tasks [0, n) of one parallel region. Each thread starts with a contiguous share, as
+// at::parallel_for would hand it, and when its share is done takes the rest of another's.
+// On cores the engine shares (the frontend, the client, the KV listener beside it) the OS
+// preempts one thread now and then; with fixed shares the region ends when that thread's
+// does, the others waiting at the barrier; here they take over its tasks. Each share's
+// counter has its own cache line, so taking from one's own share costs an uncontended
+// atomic add (one counter for all threads cost ~0.5 ms more a decode step than fixed
+// shares on a Zen 1: its line moved between the cores at every task). A task's outputs are its own and computed by
+// the same code whichever thread runs it, so the bits do not depend on who takes what.
+class TaskShares {
+ public:
+  static constexpr int64_t kMaxThreads = 64;
+  TaskShares(int64_t n, int64_t threads) : threads_(std::min(threads, kMaxThreads)) {
+    TORCH_CHECK(n < (int64_t(1) << 31), "parallel_tasks: too many tasks");
+    for (int64_t t = 0; t < threads_; ++t) reset(t, n);
+  }
+  int64_t threads() const { return threads_; }
+
+  // Thread t's share of a new op's tasks [0, n). In a team (below) each thread sets its
+  // own as it starts the op; another that looks before finds the previous op's, used up.
+  void reset(int64_t t, int64_t n) {
+    share_[t].pair.store(pair(n * t / threads_, n * (t + 1) / threads_),
+                         std::memory_order_release);
+  }
+
+  // The next task of thread `me`'s share, else one from another share; false when none
+  // is left.
+  bool take(int64_t me, int64_t& task) {
+    for (int64_t i = 0; i < threads_; ++i) {
+      Share& s = share_[(me + i) % threads_];
+      uint64_t v = s.pair.load(std::memory_order_relaxed);
+      if (next_of(v) >= end_of(v)) continue;
+      v = s.pair.fetch_add(1, std::memory_order_acq_rel);  // the next, in the low half
+      if (next_of(v) < end_of(v)) {
+        task = next_of(v);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // `k` threads found no task left; true while others still run theirs.
+  bool finish(int64_t k) {
+    return working_.fetch_sub(k, std::memory_order_acq_rel) > k;
+  }
+  bool working() const { return working_.load(std::memory_order_relaxed) > 0; }
+
+ private:
+  // A share: its next task and its end in one word, so a share set anew is read whole.
+  static uint64_t pair(int64_t next, int64_t end) { return (uint64_t)end << 32 | (uint64_t)next; }
+  static int64_t next_of(uint64_t v) { return (int64_t)(v & 0xFFFFFFFFu); }
+  static int64_t end_of(uint64_t v) { return (int64_t)(v >> 32); }
+  struct alignas(64) Share {
+    std::atomic<uint64_t> pair{0};
+  };
+  const int64_t threads_;
+  Share share_[kMaxThreads];
+  alignas(64) std::atomic<int64_t> working_{threads_};
+};
+
+// One thread's view of the shares: `take(task)` until it returns false.
+class Tasks {
+ public:
+  Tasks(TaskShares& shares, int64_t me) : shares_(shares), me_(me) {}
+  bool take(int64_t& task) { return shares_.take(me_, task); }
+
+ private:
+  TaskShares& shares_;
+  const int64_t me_;
+};
+
+// Bytes a thread will read in the next op (its share of the next linear's weights).
+struct Span {
+  const char* p = nullptr;
+  int64_t bytes = 0;
+};
+
+// Fetches s into L2, 4 KB at a time, while still() holds.
+template <typename Still>
+void fetch_while(const Span& s, const Still& still) {
+  constexpr int64_t kStep = 4096;
+  for (int64_t o = 0; o < s.bytes && still(); o += kStep)
+    for (int64_t b = o; b < std::min(s.bytes, o + kStep); b += 64) prefetch_line<2>(s.p + b);
+}
+
+// A team: the threads of one parallel region that runs a whole decoder call (decoder.cpp).
+// With each op in a region of its own, a batch-1 step paid a region's start and end ~150
+// times, ~2 us each on two threads (the master's way in 0.6-1.3 us, the join 0.5-0.8,
+// timed around 0.66 MB linears): every thread of a team runs the decoder's code, each op
+// shares its tasks out through the team (parallel_tasks) or splits its rows
+// (TeamView::rows), and the threads meet at a spin barrier (~0.1 us) after each op.
+class Team {
+ public:
+  // Runs body() on every thread of a team of the pool's threads, in one parallel region
+  // (on the caller alone when there is one thread). body must not throw: the _into ops
+  // check nothing (their callers check the operands first); if it does anyway, the
+  // others stop waiting for the thread that threw and the first error is rethrown.
+  template <typename F>
+  static void run(const F& body) {
+    const int64_t want = std::min<int64_t>(at::get_num_threads(), TaskShares::kMaxThreads);
+    Team team(want);
+    std::exception_ptr error;
+    std::mutex error_mutex;
+    auto member = [&](int64_t me) {
+      Team* const outer = current_;
+      current_ = &team, me_ = me, ops_ = 0;
+      try {
+        body();
+      } catch (...) {
+        std::lock_guard<std::mutex> hold(error_mutex);
+        if (!error) error = std::current_exception();
+        team.failed_.store(true, std::memory_order_release);
+      }
+      current_ = outer;
+    };
+    if (want <= 1) {
+      member(0);
+    } else {
+#pragma omp parallel num_threads(want)
+      {
+        if (omp_get_num_threads() == want) member(omp_get_thread_num());
+        else if (omp_get_thread_num() == 0) run_alone(team, member);
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+  static Team* current() { return current_; }
+  int64_t threads() const { return threads_; }
+
+  // Every thread of the team comes here before any goes on.
+  void barrier() {
+    constexpr int64_t kSpins = 4000;  // ~50 us of pause, then yield the core each turn
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation &&
+                            !failed_.load(std::memory_order_relaxed); ++spins) {
+      if (spins < kSpins) _mm_pause();
+      else std::this_thread::yield();
+    }
+  }
+
+  // parallel_tasks in a team: every thread calls it; each sets its own share, takes tasks,
+  // fetches `next_read(me)` while another still works, and waits for the others.
+  template <typename F, typename Next>
+  void tasks(int64_t n, const F& worker, const Next& next_read) {
+    const int64_t me = me_, op = ++ops_;
+    shares_.reset(me, std::max<int64_t>(n, 0));
+    if (n > 0 && !failed_.load(std::memory_order_relaxed)) {
+      Tasks mine(shares_, me);
+      worker(mine);
+    }
+    done_[me].op.store(op, std::memory_order_release);
+    fetch_while(next_read(me), [&] {
+      for (int64_t t = 0; t < threads_; ++t)
+        if (done_[t].op.load(std::memory_order_relaxed) < op) return true;
+      return false;
+    });
+    barrier();
+  }
+
+  // Rows [begin, end) of n for the calling thread.
+  std::pair<int64_t, int64_t> rows(int64_t n) const {
+    return {n * me_ / threads_, n * (me_ + 1) / threads_};
+  }
+
+ private:
+  explicit Team(int64_t threads) : threads_(threads), shares_(0, threads) {}
+  // The pool gave fewer threads than asked: a team of one on the master.
+  template <typename M>
+  static void run_alone(Team& team, const M& member) {
+    team.threads_ = 1;
+    member(0);
+  }
+
+  int64_t threads_;
+  TaskShares shares_;
+  struct alignas(64) Done {
+    std::atomic<int64_t> op{0};  // the count of ops whose tasks this thread has finished
+  };
+  Done done_[TaskShares::kMaxThreads];
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+  std::atomic<bool> failed_{false};
+  static inline thread_local Team* current_ = nullptr;
+  static inline thread_local int64_t me_ = 0, ops_ = 0;
+};
+
+// What an op of the decoder sees of its team: the rows it does and the barrier after it,
+// or (no team: the op runs on the caller, its own parallel regions inside) all rows and
+// no barrier.
+struct TeamView {
+  Team* team = Team::current();
+  std::pair<int64_t, int64_t> rows(int64_t n) const {
+    return team ? team->rows(n) : std::pair<int64_t, int64_t>{0, n};
+  }
+  void barrier() const {
+    if (team) team->barrier();
+  }
+};
+
+// Runs worker(tasks) on up to `n` threads of the pool (once, inline, inside a parallel
+// region); the workers take tasks [0, n) between them until none is left. A thread that
+// finds none left while others still work fetches `next_read(me)` into L2 meanwhile,
+// 4 KB at a time, until the last one is done (then it goes to the barrier): in a decode
+// step the ops run one after another, and the weights are read from DRAM once each.
+// In a team (above), the team's threads take the tasks, and all wait for the last.
+template <typename F, typename Next>
+void parallel_tasks(int64_t n, const F& worker, const Next& next_read) {
+  if (Team* team = Team::current()) {
+    team->tasks(n, worker, next_read);
+    return;
+  }
+  if (n <= 0) return;
+  TaskShares shares(n, std::min<int64_t>(n, at::get_num_threads()));
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t me, int64_t end) {
+    Tasks tasks(shares, me);
+    worker(tasks);
+    if (shares.finish(end - me)) fetch_while(next_read(me), [&] { return shares.working(); });
+  });
+}
+template <typename F>
+void parallel_tasks(int64_t n, const F& worker) {
+  parallel_tasks(n, worker, [](int64_t) { return Span{}; });
+}
+
+}  // namespace exact
