@@ -34,13 +34,17 @@ def _model(attention_bias: bool, quantization: str | None = None) -> LlamaForCau
     return model
 
 
-def _step(model: LlamaForCausalLM) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """A mixed step: a 20-token prefill chunk after 9 cached tokens, and two decodes."""
+def _step(model: LlamaForCausalLM, decodes: int = 0
+          ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """A mixed step: a 20-token prefill chunk after 9 cached tokens, and two decodes; or
+    (`decodes` 1 or 2) a decode step of that many sequences."""
     spec = model.spec
     kv = (torch.randn(spec.num_layers, 2, NUM_BLOCKS, BLOCK, spec.num_kv_heads, spec.head_dim)
           * 0.5).to(torch.bfloat16)
     tables = torch.tensor([[3, 7, 1], [5, 0, 0], [9, 11, 2]], dtype=torch.int32)
     seqs = [(0, list(range(9, 29))), (1, [13]), (2, [40])]
+    if decodes:
+        seqs = [(2, [40]), (0, [33])][:decodes]
     token_seq, positions, slots = [], [], []
     for s, pos in seqs:
         for p in pos:
@@ -152,3 +156,34 @@ def test_a_one_call_step_refuses_ids_positions_and_rows_out_of_range() -> None:
         with forward_context(meta), torch.inference_mode():
             with pytest.raises(RuntimeError, match=message):
                 model.sampled_logits(i, p, rows)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_decode_step_gives_the_eager_bits_at_any_thread_count(
+        quantization: str | None) -> None:
+    """With fewer tokens than threads the team splits each row-wise op by columns (norms:
+    every thread sums the whole row) and SiLU * up computes its formula, not the table:
+    one and two tokens at 1, 2 and 3 threads, on every ISA, give the eager ops' bits."""
+    model = _model(True, quantization)
+    ops = kernels.load()
+    before_isa, before_threads = ops.get_isa(), torch.get_num_threads()
+    try:
+        for isa in range(1, before_isa + 1):
+            ops.set_isa(isa)
+            for decodes in (1, 2):
+                torch.set_num_threads(1)
+                meta, ids, positions = _step(model, decodes)
+                kv0 = meta.kv_cache.clone()
+                with torch.inference_mode():
+                    want = _eager(model, meta, ids, positions)
+                kv_want = meta.kv_cache.clone()
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    meta.kv_cache.copy_(kv0)
+                    with forward_context(meta), torch.inference_mode():
+                        got = model(ids, positions)
+                    assert torch.equal(got, want), (isa, decodes, threads)
+                    assert torch.equal(meta.kv_cache, kv_want), (isa, decodes, threads)
+    finally:
+        ops.set_isa(before_isa)
+        torch.set_num_threads(before_threads)

@@ -222,8 +222,10 @@ class ExactDecoder {
     // V into the caller's buffer; the team is not measured there yet).
     auto stack = [&] {
       const exact::TeamView team;
-      const auto [r0, r1] = team.rows(T);
-      const int64_t m = r1 - r0;
+      // this thread's part of each row-wise op: 16-column groups, rotary units (heads, V)
+      const auto n = team.part(T, H / 16), r = team.part(T, heads_ + kv_heads_ + 1),
+                 s = team.part(T, I / 16);
+      const int64_t nm = n.r1 - n.r0, rm = r.r1 - r.r0;
       bf16_t* kv = kv0;
       const bf16_t* in = x0;
       const bf16_t* res_in = res0;
@@ -232,24 +234,27 @@ class ExactDecoder {
         // Residual sums: res_a after attention's input norm, res_b after the MLP's (which
         // is out_res: the last layer's is what forward returns).
         bf16_t* const sum1 = res_in ? res_a : nullptr;
-        exact::rms_norm_into(in + r0 * H, res_in ? res_in + r0 * H : nullptr,
-                             cdata(l.input_norm), m, H, eps_, sum1 ? sum1 + r0 * H : nullptr,
-                             h + r0 * H);
+        exact::rms_norm_into(in + n.r0 * H, res_in ? res_in + n.r0 * H : nullptr,
+                             cdata(l.input_norm), nm, H, eps_,
+                             sum1 ? sum1 + n.r0 * H : nullptr, h + n.r0 * H, n.u0 * 16,
+                             n.u1 * 16);
         team.barrier();
         exact::linear_into(h, T, l.qkv.w, qkv);
-        exact::rope_write_kv_into(qkv + r0 * qkv_out_, cos_p + r0 * D, sin_p + r0 * D, m,
-                                  heads_, kv, layout, slots + r0, q + r0 * qd);
+        exact::rope_write_kv_into(qkv + r.r0 * qkv_out_, cos_p + r.r0 * D, sin_p + r.r0 * D,
+                                  rm, heads_, kv, layout, slots + r.r0, q + r.r0 * qd, r.u0,
+                                  r.u1);
         team.barrier();
         // each op's early threads fetch the next linear's weights (ops.h)
         exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn,
                                     &l.o.w);
         exact::linear_into(attn, T, l.o.w, o, &l.gate_up.w);
         const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
-        exact::rms_norm_into(o + r0 * H, stream + r0 * H, cdata(l.post_norm), m, H, eps_,
-                             res_b + r0 * H, h2 + r0 * H);
+        exact::rms_norm_into(o + n.r0 * H, stream + n.r0 * H, cdata(l.post_norm), nm, H, eps_,
+                             res_b + n.r0 * H, h2 + n.r0 * H, n.u0 * 16, n.u1 * 16);
         team.barrier();
         exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
-        exact::silu_mul_into(gate_up + r0 * 2 * I, m, I, act + r0 * I);
+        exact::silu_mul_into(gate_up + s.r0 * 2 * I, s.r1 - s.r0, I, act + s.r0 * I,
+                             s.u0 * 16, s.u1 * 16);
         team.barrier();
         bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
         exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : after);

@@ -25,21 +25,23 @@ namespace {
 
 using namespace exact;
 
+// One row: the sum of squares over all H columns, h and y written for columns [c0, c1).
 AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf16_t* w,
-                                   int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
+                                   int64_t H, float eps, bf16_t* h_out, bf16_t* y,
+                                   int64_t c0, int64_t c1) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t c = 0; c < H; c += 16) {
     __m512 h = bf16x16_to_f32(x + c);
     if (res) {
       h = round_bf16(_mm512_add_ps(h, bf16x16_to_f32(res + c)));
-      _mm256_storeu_si256((__m256i*)(h_out + c), f32x16_to_bf16(h));
+      if (c >= c0 && c < c1) _mm256_storeu_si256((__m256i*)(h_out + c), f32x16_to_bf16(h));
     }
     ss = _mm512_fmadd_ps(h, h, ss);
   }
   const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
   const __m512 rv = _mm512_set1_ps(r);
   const bf16_t* src = res ? h_out : x;
-  for (int64_t c = 0; c < H; c += 16) {
+  for (int64_t c = c0; c < c1; c += 16) {
     const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_to_f32(src + c), rv));
     _mm256_storeu_si256((__m256i*)(y + c),
                         f32x16_to_bf16(_mm512_mul_ps(bf16x16_to_f32(w + c), n)));
@@ -47,13 +49,14 @@ AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf1
 }
 
 AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t* w,
-                               int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
+                               int64_t H, float eps, bf16_t* h_out, bf16_t* y,
+                               int64_t c0, int64_t c1) {
   V16 ss{_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < H; c += 8) {
     __m256 h = bf16x8_to_f32(x + c);
     if (res) {
       h = round_bf16(_mm256_add_ps(h, bf16x8_to_f32(res + c)));
-      _mm_storeu_si128((__m128i*)(h_out + c), f32x8_to_bf16(h));
+      if (c >= c0 && c < c1) _mm_storeu_si128((__m128i*)(h_out + c), f32x8_to_bf16(h));
     }
     __m256& lane = (c / 8) % 2 ? ss.hi : ss.lo;
     lane = _mm256_fmadd_ps(h, h, lane);
@@ -61,7 +64,7 @@ AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t*
   const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
   const __m256 rv = _mm256_set1_ps(r);
   const bf16_t* src = res ? h_out : x;
-  for (int64_t c = 0; c < H; c += 8) {
+  for (int64_t c = c0; c < c1; c += 8) {
     const __m256 n = round_bf16(_mm256_mul_ps(bf16x8_to_f32(src + c), rv));
     _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(bf16x8_to_f32(w + c), n)));
   }
@@ -92,23 +95,33 @@ const float* silu_table() {
   return table.data();
 }
 
-AVX512_TARGET void silu_mul_row_avx512(const bf16_t* gu, int64_t I, bf16_t* y) {
+// g, u: n gates and their ups; y: n outputs.
+AVX512_TARGET void silu_mul_row_avx512(const bf16_t* g, const bf16_t* u, int64_t n, bf16_t* y) {
   const float* table = silu_table();
-  for (int64_t c = 0; c < I; c += 16) {
-    const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gu + c)));
-    const __m512 s = _mm512_i32gather_ps(g, table, 4);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(g + c)));
+    const __m512 s = _mm512_i32gather_ps(bits, table, 4);
     _mm256_storeu_si256((__m256i*)(y + c),
-                        f32x16_to_bf16(_mm512_mul_ps(s, bf16x16_to_f32(gu + I + c))));
+                        f32x16_to_bf16(_mm512_mul_ps(s, bf16x16_to_f32(u + c))));
   }
 }
 
-AVX2_TARGET void silu_mul_row_avx2(const bf16_t* gu, int64_t I, bf16_t* y) {
+// The same by the formula: a decode step's few rows would gather from a table the step's
+// weight stream has pushed out of the caches (a miss per gather), so they compute it.
+AVX512_TARGET void silu_mul_row_formula_avx512(const bf16_t* g, const bf16_t* u, int64_t n,
+                                               bf16_t* y) {
+  for (int64_t c = 0; c < n; c += 16)
+    _mm256_storeu_si256((__m256i*)(y + c), f32x16_to_bf16(_mm512_mul_ps(
+        silu16(bf16x16_to_f32(g + c)), bf16x16_to_f32(u + c))));
+}
+
+AVX2_TARGET void silu_mul_row_avx2(const bf16_t* gp, const bf16_t* u, int64_t n, bf16_t* y) {
   const __m256 one = _mm256_set1_ps(1.f);
-  for (int64_t c = 0; c < I; c += 8) {
-    const __m256 g = bf16x8_to_f32(gu + c);
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256 g = bf16x8_to_f32(gp + c);
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
     const __m256 s = round_bf16(_mm256_div_ps(g, _mm256_add_ps(one, e)));
-    _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(s, bf16x8_to_f32(gu + I + c))));
+    _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(s, bf16x8_to_f32(u + c))));
   }
 }
 
@@ -124,22 +137,30 @@ void check_rows(const at::Tensor& t, const char* name, int64_t multiple) {
 namespace exact {
 
 void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
-                   int64_t H, float eps, bf16_t* h, bf16_t* y) {
+                   int64_t H, float eps, bf16_t* h, bf16_t* y, int64_t c0, int64_t c1) {
   const auto row = get_isa() >= 2 ? norm_row_avx512 : norm_row_avx2;
+  if (c1 < 0) c1 = H;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     for (int64_t i = begin; i < end; ++i)
       row(x + i * H, residual ? residual + i * H : nullptr, weight, H, eps,
-          residual ? h + i * H : nullptr, y + i * H);
+          residual ? h + i * H : nullptr, y + i * H, c0, c1);
   });
 }
 
-void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y) {
-  if (get_isa() >= 2) silu_table();  // built here, not by the first of several threads
-  const auto row = get_isa() >= 2 ? silu_mul_row_avx512 : silu_mul_row_avx2;
+void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t c0,
+                   int64_t c1) {
+  constexpr int64_t kTableRows = 5;  // from this many rows on, the table pays for itself
+  if (c1 < 0) c1 = I;
+  const bool table = get_isa() >= 2 && M >= kTableRows;
+  if (table) silu_table();  // built here, not by the first of several threads
+  const auto row = get_isa() < 2 ? silu_mul_row_avx2
+                   : table       ? silu_mul_row_avx512
+                                 : silu_mul_row_formula_avx512;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
-    for (int64_t i = begin; i < end; ++i) row(gate_up + i * 2 * I, I, y + i * I);
+    for (int64_t i = begin; i < end; ++i)
+      row(gate_up + i * 2 * I + c0, gate_up + i * 2 * I + I + c0, c1 - c0, y + i * I + c0);
   });
 }
 

@@ -57,10 +57,15 @@ void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y,
 Span weights_share(const PackedLinear* w, int64_t M, int64_t me);
 
 // h = x + residual (when residual is not null; h may then be neither x nor residual), y its
-// norm; x, residual, h, y [M, H].
+// norm; x, residual, h, y [M, H]. [c0, c1): the columns of h and y written (all when c1 <
+// 0; multiples of 16), each row's sum of squares always over all H.
 void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
-                   int64_t H, float eps, bf16_t* h, bf16_t* y);
-void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y);
+                   int64_t H, float eps, bf16_t* h, bf16_t* y, int64_t c0 = 0,
+                   int64_t c1 = -1);
+// y [M, I] = silu(gate) * up for gate_up [M, 2I]; columns [c0, c1) (all when c1 < 0;
+// multiples of 16).
+void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t c0 = 0,
+                   int64_t c1 = -1);
 
 // One layer of the paged KV cache: [2, NBLK, BS, HKV, D] bf16, contiguous.
 struct KvLayer {
@@ -91,8 +96,10 @@ const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t T, const Kv
 // cos, sin [T, D] bf16 contiguous, checked.
 void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D);
 // qkv [T, (H + 2 HKV) D] -> q [T, H, D]; rotated k and v written to the cache slots.
+// Units [u0, u1) of each token (all when u1 < 0): its H q heads, then its HKV k heads,
+// then its V (one unit).
 void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin, int64_t T,
                         int64_t H, bf16_t* kv, const KvLayer& layout, const int64_t* slots,
-                        bf16_t* q);
+                        bf16_t* q, int64_t u0 = 0, int64_t u1 = -1);
 
 }  // namespace exact

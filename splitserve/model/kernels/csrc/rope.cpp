@@ -42,19 +42,22 @@ namespace exact {
 
 void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin, int64_t T,
                         int64_t H, bf16_t* kv, const KvLayer& layout, const int64_t* slots,
-                        bf16_t* q) {
+                        bf16_t* q, int64_t u0, int64_t u1) {
   const int64_t HKV = layout.kv_heads, D = layout.head_dim;
   bf16_t* v = kv + layout.slots() * HKV * D;
   const int64_t W = (H + 2 * HKV) * D;
+  if (u1 < 0) u1 = H + HKV + 1;
   const auto head = get_isa() >= 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_avx2;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     FlushDenormals guard;
     for (int64_t t = begin; t < end; ++t) {
       const bf16_t* row = qkv + t * W;
-      for (int64_t j = 0; j < H; ++j) head(row + j * D, cos + t * D, sin + t * D, D, q + (t * H + j) * D);
-      for (int64_t j = 0; j < HKV; ++j)
-        head(row + (H + j) * D, cos + t * D, sin + t * D, D, kv + (slots[t] * HKV + j) * D);
-      std::memcpy(v + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
+      for (int64_t j = u0; j < u1; ++j) {
+        if (j < H) head(row + j * D, cos + t * D, sin + t * D, D, q + (t * H + j) * D);
+        else if (j < H + HKV)
+          head(row + j * D, cos + t * D, sin + t * D, D, kv + (slots[t] * HKV + j - H) * D);
+        else std::memcpy(v + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
+      }
     }
   });
 }

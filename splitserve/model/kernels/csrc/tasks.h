@@ -219,13 +219,26 @@ class Team {
   static inline thread_local int64_t me_ = 0, ops_ = 0;
 };
 
-// What an op of the decoder sees of its team: the rows it does and the barrier after it,
-// or (no team: the op runs on the caller, its own parallel regions inside) all rows and
-// no barrier.
+// What an op of the decoder sees of its team: the part of a row-wise op it does and the
+// barrier after each op; or (no team: the op runs on the caller, its own parallel regions
+// inside) all of it and no barrier.
 struct TeamView {
+  // Rows [r0, r1) and, in each, units [u0, u1) (groups of columns, heads).
+  struct Part {
+    int64_t r0, r1, u0, u1;
+  };
   Team* team = Team::current();
-  std::pair<int64_t, int64_t> rows(int64_t n) const {
-    return team ? team->rows(n) : std::pair<int64_t, int64_t>{0, n};
+  // Of T rows of `units` each: the thread's rows; with fewer rows than threads (a decode
+  // step), every row and the thread's units (a norm's sum of squares is then computed by
+  // each: the same bits, half the latency of a one-token op on one thread).
+  Part part(int64_t T, int64_t units) const {
+    if (!team) return {0, T, 0, units};
+    if (T >= team->threads()) {
+      const auto [r0, r1] = team->rows(T);
+      return {r0, r1, 0, units};
+    }
+    const auto [u0, u1] = team->rows(units);
+    return {0, T, u0, u1};
   }
   void barrier() const {
     if (team) team->barrier();
