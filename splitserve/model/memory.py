@@ -37,11 +37,17 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) on 2 MB pages (a CPU KV cache)."""
+    """torch.zeros(shape, dtype=dtype) on 2 MB pages (a CPU KV cache), every page committed
+    now: a page first touched later costs its step a fault that zeroes 2 MB (~0.1-0.2 ms),
+    and a decode step whose new slots open fresh pages in every layer's K and V took up to
+    ~60 of them (docs/benchmarks.md, 2026-11-30). The memory is resident from the start, as
+    a torch.zeros cache is."""
     numel = 1
     for n in shape:
         numel *= n
-    return huge_page_buffer(numel * dtype.itemsize).view(dtype).view(shape)
+    buffer = huge_page_buffer(numel * dtype.itemsize)
+    buffer.zero_()  # the first write faults each page in (a 2 MB one where THP allows)
+    return buffer.view(dtype).view(shape)
 
 
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -27,14 +27,14 @@ def _thp_mode() -> str | None:
     return found.group(1) if found else None
 
 
-def _huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `address`."""
+def _smaps_kb(address: int, field: str = "AnonHugePages") -> int:
+    """A field (kB) of the mapping of this process that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
             inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
 
@@ -57,6 +57,12 @@ def test_zeros_has_the_shape_dtype_and_values_of_torch_zeros() -> None:
     assert kv.is_contiguous() and kv.dtype == torch.bfloat16
 
 
+def test_zeros_are_resident_before_any_step_touches_them() -> None:
+    """A KV cache's pages are committed when it is made: no step pays a first-touch fault."""
+    kv = huge_page_zeros((4, 2, 64, 16, 4, 64), torch.bfloat16)  # 8 MiB
+    assert _smaps_kb(kv.data_ptr(), "Rss") >= kv.numel() * 2 // 1024
+
+
 def test_copies_keep_values_and_lie_in_one_buffer_in_order() -> None:
     tensors = [torch.randn(37, 5).bfloat16(), torch.randint(-127, 127, (3, 41), dtype=torch.int8),
                torch.randn(13)]
@@ -73,7 +79,7 @@ def test_copies_keep_values_and_lie_in_one_buffer_in_order() -> None:
 def test_the_kernel_backs_a_buffer_with_huge_pages() -> None:
     buf = huge_page_buffer(8 * HUGE_PAGE)
     buf.fill_(1)  # first touch: the page faults hand out 2 MB pages
-    assert _huge_kb(buf.data_ptr()) >= HUGE_PAGE // 1024
+    assert _smaps_kb(buf.data_ptr()) >= HUGE_PAGE // 1024
 
 
 @pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
