@@ -41,10 +41,11 @@ class ModelRunner:
         # not a decode-only step: the sampled positions alone
         rows = self._ints(ends, np.int64) if len(ends) < offset else None
         with forward_context(meta):
-            logits = self.model.sampled_logits(input_ids, positions, rows)
+            logits, first_max = self.model.sampled_logits(input_ids, positions, rows)
         result = RunnerOutput(num_computed_tokens=offset)
         if sampled_seqs:
-            tokens = sample(logits, [s.sample for s in sampled_seqs])  # type: ignore[misc]
+            tokens = sample(logits, [s.sample for s in sampled_seqs],  # type: ignore[misc]
+                            first_max)
             result.sampled = {s.request_id: t for s, t in zip(sampled_seqs, tokens)}
         return result
 

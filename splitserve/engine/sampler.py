@@ -91,8 +91,10 @@ def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     return token_id
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
-    """One token per row of logits [n, vocab] (fp32), with optional logprobs."""
+def sample(logits: torch.Tensor, specs: list[SampleSpec],
+           first_max: list[int] | None = None) -> list[SampledToken]:
+    """One token per row of logits [n, vocab] (fp32), with optional logprobs. `first_max`:
+    each row's argmax, when the step that made the logits found it (the exact kernels)."""
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -105,7 +107,8 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
         apply_penalties(processed[row], spec)
         if spec.banned_token_ids:
             processed[row, spec.banned_token_ids] = float("-inf")
-    greedy_ids = argmax_rows(processed)
+    greedy_ids = (first_max if first_max is not None and processed is logits
+                  else argmax_rows(processed))
     out: list[SampledToken] = []
     for row, spec in enumerate(specs):
         token_id = greedy_ids[row] if spec.params.is_greedy else sample_one(processed[row], spec)

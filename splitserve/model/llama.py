@@ -146,27 +146,29 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def sampled_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       rows: torch.Tensor | None) -> torch.Tensor:
+                       rows: torch.Tensor | None) -> tuple[torch.Tensor, list[int] | None]:
         """A step: fp32 logits [n, vocab] of the flat batch's `rows` (every row when None),
-        as compute_logits(forward(...)[rows]); needs a forward_context. On the exact path
-        without a layer hook, one C++ call from token ids to logits: after the layers have
-        streamed every weight through the caches, each torch op made from Python costs
-        ~20-50 us (~5 warm), and a decode step made ~10 of them."""
+        as compute_logits(forward(...)[rows]), and each row's first maximum when the step
+        found it on the way (else None: the sampler takes it); needs a forward_context. On
+        the exact path without a layer hook, one C++ call from token ids to logits and
+        their maxima: after the layers have streamed every weight through the caches, each
+        torch op made from Python costs ~20-50 us (~5 warm), and a decode step made ~10 of
+        them (numpy's argmax over the cold logits ~75)."""
         meta = get_forward_context()
         decoder = self.model.exact_decoder
         if decoder is not None and meta.on_layer_end is None:
             e = meta.exact
             assert e is not None, "the exact kernels need the runner's exact batch"
-            logits: torch.Tensor = decoder.logits(
+            logits, first = decoder.logits(
                 input_ids, positions, meta.kv_cache, meta.slot_mapping, e.block_tables,
                 e.token_seq, e.context_lens, rows)
-            return logits
+            return logits, first.tolist()
         hidden = self(input_ids, positions)
         if rows is not None:
             hidden = hidden[rows]
         if not len(hidden):
-            return hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
-        return self.compute_logits(hidden)
+            return hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), None
+        return self.compute_logits(hidden), None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

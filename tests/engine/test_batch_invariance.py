@@ -58,19 +58,22 @@ class LogitsLedger:
     def watch(self, llm: LLM, model: str) -> None:
         sampled_logits = llm.engine.model.sampled_logits
 
-        def tagged(*args: Any) -> torch.Tensor:
+        def tagged(*args: Any) -> Any:
             self._model = model
             return sampled_logits(*args)
         llm.engine.model.sampled_logits = tagged  # type: ignore[method-assign]
 
     def wrap(self, sample: Callable[..., Any]) -> Callable[..., Any]:
-        def checked(logits: torch.Tensor, specs: list[SampleSpec]) -> Any:
+        def checked(logits: torch.Tensor, specs: list[SampleSpec],
+                    first_max: list[int] | None = None) -> Any:
             for row, spec in zip(logits, specs):
                 key = (self._model, tuple(spec.prompt_token_ids), tuple(spec.output_token_ids))
                 digest = hashlib.blake2b(row.contiguous().numpy().tobytes()).digest()
                 assert self.rows.setdefault(key, digest) == digest, f"logits differ: {key}"
                 self.num_checked += 1
-            return sample(logits, specs)
+            if first_max is not None:  # the step's own argmax: numpy's
+                assert first_max == logits.numpy().argmax(axis=-1).tolist()
+            return sample(logits, specs, first_max)
         return checked
 
 

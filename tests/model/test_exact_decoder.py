@@ -135,7 +135,9 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
                     meta.kv_cache.copy_(kv0)
                     meta.on_layer_end = None if hook is None else hook.append
                     with forward_context(meta), torch.inference_mode():
-                        got = model.sampled_logits(ids, positions, rows)
+                        got, first_max = model.sampled_logits(ids, positions, rows)
+                    # the one call finds each row's argmax on the way; the module path not
+                    assert first_max == (want.argmax(-1).tolist() if hook is None else None)
                     assert got.dtype == torch.float32
                     assert got.shape == (len(ids) if rows is None else len(rows), 300)
                     assert torch.equal(got, want), (isa, rows, hook)

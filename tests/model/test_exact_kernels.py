@@ -307,3 +307,32 @@ def test_rope_and_kv_write_are_torchs_bf16_ops(ops, isas: list[int],
         assert torch.equal(q, want[:, :heads]), isa
         assert torch.equal(kv[0].view(-1, kv_heads, head_dim)[slots], want[:, heads:]), isa
         assert torch.equal(kv[1].view(-1, kv_heads, head_dim)[slots], v), isa
+
+
+def test_argmax_rows_is_numpys_first_maximum(ops) -> None:
+    """The one-call step's greedy pick (csrc/layers.cpp first_max, by blocks of 1,024):
+    numpy's argmax for ties inside and across blocks, NaN anywhere (the first wins, even
+    after a larger value), +-inf, -0.0 beside 0.0, a row of -inf, rows shorter than a
+    block and not a multiple of the vector width."""
+    nan, inf = float("nan"), float("inf")
+    rows = [torch.tensor(r) for r in ([1.0, 3.0, 3.0, 2.0], [1.0, nan, 3.0, nan],
+                                      [-inf, -inf, -inf], [0.5, inf, inf, 2.0], [-0.0, 0.0],
+                                      [0.0, -0.0, -1.0], [-inf], [nan])]
+    torch.manual_seed(0)
+    for n in (1023, 1024, 1025, 3000, 49152):
+        x = torch.randn(n)
+        rows.append(x)
+        tie = x.clone()
+        tie[n - 1] = tie[n // 3] = x.max() + 1  # the same maximum in two blocks
+        rows.append(tie)
+        late_nan = tie.clone()
+        late_nan[n - 1] = nan  # after the maximum, in a later block
+        rows.append(late_nan)
+        lows = torch.full((n,), -inf)
+        lows[n // 2] = -1e30
+        rows.append(lows)
+    for r in rows:
+        x = r[None].contiguous()
+        assert ops.argmax_rows(x).tolist() == x.numpy().argmax(axis=-1).tolist(), r
+    both = torch.stack([rows[-4], rows[-3]])  # two rows of one tensor
+    assert ops.argmax_rows(both).tolist() == both.numpy().argmax(axis=-1).tolist()

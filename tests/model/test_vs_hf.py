@@ -112,9 +112,10 @@ def test_exact_bf16_engine_is_as_close_to_hf_fp32_as_hf_bf16(hf_reference_smollm
     rows: list[torch.Tensor] = []
     sampled_logits = llm.engine.model.sampled_logits
 
-    def capture(*args: Any) -> torch.Tensor:
-        rows.append(sampled_logits(*args))
-        return rows[-1]
+    def capture(*args: Any) -> tuple[torch.Tensor, list[int] | None]:
+        logits, first_max = sampled_logits(*args)
+        rows.append(logits)
+        return logits, first_max
     llm.engine.model.sampled_logits = capture  # type: ignore[method-assign]
     hf32 = hf_reference_smollm2
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)

@@ -268,6 +268,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
   m.def("rms_norm", &rms_norm, "(y, h): h = x + residual, y = RMSNorm(h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum, a NaN above everything");
   m.def("rope_write_kv", &rope_write_kv, "rotary q and k, k and v into the cache; returns q");
   m.def("set_isa", &set_isa, "0 = detect, 1 = AVX2, 2 = AVX-512 BF16, 3 = AMX-BF16");
   m.def("get_isa", &get_isa);

@@ -26,6 +26,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer,
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps, const c10::optional<at::Tensor>& residual);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
 // rope.cpp
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
@@ -66,6 +67,9 @@ void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight
 // multiples of 16).
 void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t c0 = 0,
                    int64_t c1 = -1);
+// The first index of v[0, n)'s maximum, a NaN counting as above everything (numpy's and
+// torch's argmax): the greedy token of a row of logits.
+int64_t first_max(const float* v, int64_t n);
 
 // One layer of the paged KV cache: [2, NBLK, BS, HKV, D] bf16, contiguous.
 struct KvLayer {
