@@ -38,7 +38,8 @@ def _fold(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc.to(torch.bfloat16)
 
 
-# (576, 176): 3 groups of 4, 4 and 3 blocks; decode on 2 threads halves the last one
+# (576, 176): 11 blocks in groups of 4 and 1, then 4 and 2 (BlockGroups); (576, 960) the
+# model's QKV, 60 blocks: 7 groups of 4 and one of 2 in each half
 @pytest.mark.parametrize("k,n", [(64, 48), (37, 45), (576, 960), (576, 176)])
 def test_linear_is_the_specified_fold_on_every_isa(ops, isas: list[int], k: int,
                                                    n: int) -> None:

@@ -146,17 +146,18 @@ _GROUP = 4  # 16-column blocks per micro-kernel (64 columns)
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 (int8 stays int8) -> ceil(N/16) blocks of 16 output columns, each k pair
     of a column side by side (the operand layout of a pairwise bf16 dot product), stored by
-    groups of 4 blocks as [KP][4][16][2] so a micro-kernel streams one contiguous region
-    (the last group may have fewer blocks). Shape [ceil(N/16), ceil(K/2), 16, 2]; padding
-    is zero."""
+    groups of up to 4 blocks as [KP][blocks][16][2] so a micro-kernel streams one contiguous
+    region. The groups: each half of the blocks by 4 from its start (csrc/linear_micro.h's
+    BlockGroups, which says why). Shape [ceil(N/16), ceil(K/2), 16, 2]; padding is zero."""
     n, k = weight.shape
     nb, kp = -(-n // _LANES), -(-k // 2)
     w = weight.detach()
     w = F.pad(w if w.dtype == torch.int8 else w.to(torch.bfloat16),
               (0, 2 * kp - k, 0, nb * _LANES - n))
     blocks = w.view(nb, _LANES, kp, 2).permute(0, 2, 1, 3)  # [nb, kp, 16, 2]
-    groups = [blocks[g:g + _GROUP].transpose(0, 1).reshape(-1)  # [kp, blocks, 16, 2]
-              for g in range(0, nb, _GROUP)]
+    halves = ((0, nb // 2), (nb // 2, nb))
+    groups = [blocks[g:min(g + _GROUP, end)].transpose(0, 1).reshape(-1)  # [kp, blocks, 16, 2]
+              for begin, end in halves for g in range(begin, end, _GROUP)]
     return torch.cat(groups).view(nb, kp, _LANES, 2)
 
 

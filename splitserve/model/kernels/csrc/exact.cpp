@@ -100,16 +100,16 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
 }
 
 // y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads taking
-// (4-block column group, row chunk) tasks (parallel_tasks): never a reduction. A task
-// of at most one micro-kernel's rows (decode) reads its weights once, so the AVX2 path
-// prefetches them (the AVX-512 path measured slower with it at this VM's fast moments),
-// and a thread out of tasks fetches its share of the next linear's weights while the
-// others finish (`next`, parallel_tasks; a batch-1 step 1-2% faster). A task of more
-// rows first widens its group once, into a per-thread buffer that stays in L2: to fp32
-// for the AVX2 panels (linear_micro.h), and an int8 group to bf16 for the AVX-512
-// micro-kernels. The same values, so the same bits, with the widening paid once per 60
-// rows instead of once per 6. On AMX (K a multiple of 32, every row count) the tiles
-// (linear_amx.h) take the group instead, an int8 group always widened to bf16 first.
+// (column group, row chunk) tasks (parallel_tasks): never a reduction. A task of at most
+// one micro-kernel's rows (decode) reads its weights once, so it prefetches them past the
+// caches (linear_micro.h's kPrefetchBytes), and a thread out of tasks fetches its share of
+// the next linear's weights while the others finish (`next`, parallel_tasks; a batch-1
+// step 1-2% faster). A task of more rows first widens its group once, into a per-thread
+// buffer that stays in L2: to fp32 for the AVX2 panels (linear_micro.h), and an int8 group
+// to bf16 for the AVX-512 micro-kernels. The same values, so the same bits, with the
+// widening paid once per 60 rows instead of once per 6. On AMX (K a multiple of 32, every
+// row count) the tiles (linear_amx.h) take the group instead, an int8 group always widened
+// to bf16 first.
 template <typename W>
 void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
                 int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa,
@@ -117,11 +117,12 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
   const Table<W>& table = table_for<W>(isa);
   const Table<bf16_t>& widened_table = table_for<bf16_t>(isa);
   const bool amx = isa == kAmxBf16 && K % kAmxK == 0;
-  const int64_t w_block = KP * 2 * kLanes;  // one 16-column block; groups are 4 blocks
+  const int64_t w_block = KP * 2 * kLanes;  // one 16-column block (BlockGroups: its groups)
   // rows per task: the group's weights stay in L2 (a multiple of the tile's 16 on AMX)
   const int64_t row_chunk = amx ? 64 : 60;
   const int64_t row_chunks = (M + row_chunk - 1) / row_chunk;
-  const int64_t groups = (nblk + kMaxBlocks - 1) / kMaxBlocks;
+  const BlockGroups grouping(nblk);
+  const int64_t groups = grouping.count();
   constexpr bool kWiden = std::is_same<W, int8_t>::value;
   parallel_tasks(groups * row_chunks, [&](Tasks& tasks) {
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
@@ -131,8 +132,8 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
     std::vector<bf16_t> widened;  // AVX-512, AMX: an int8 group widened to bf16
     for (int64_t task; tasks.take(task);) {
       const int64_t g = task / row_chunks, rc = task % row_chunks;
-      const int64_t blk0 = g * kMaxBlocks;
-      const int nb = (int)std::min<int64_t>(kMaxBlocks, nblk - blk0);
+      const int64_t blk0 = grouping.begin(g);
+      const int nb = grouping.blocks(g);
       const int64_t n0 = blk0 * kLanes, n_valid = std::min<int64_t>(N - n0, nb * kLanes);
       const int64_t r0 = rc * row_chunk, r_end = std::min(M, r0 + row_chunk);
       const W* w = wp + blk0 * w_block;
@@ -223,13 +224,15 @@ void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y,
 Span weights_share(const PackedLinear* w, int64_t M, int64_t me) {
   constexpr int64_t kMaxBytes = 512 << 10;  // well inside a core's L2
   if (!w || M == 0 || M > 60) return {};  // more rows: the group is reused from L2 anyway
-  const int64_t groups = (w->nblk + kMaxBlocks - 1) / kMaxBlocks;
+  const BlockGroups grouping(w->nblk);
+  const int64_t groups = grouping.count();
   const Team* team = Team::current();
   const int64_t threads = std::min<int64_t>(groups, team ? team->threads() : at::get_num_threads());
   if (me >= threads) return {};
   const int64_t block_bytes = w->KP * 2 * kLanes * (w->int8 ? 1 : 2);
-  const int64_t b0 = groups * me / threads * kMaxBlocks;
-  const int64_t b1 = std::min(w->nblk, groups * (me + 1) / threads * kMaxBlocks);
+  const int64_t g1 = groups * (me + 1) / threads;
+  const int64_t b0 = grouping.begin(groups * me / threads);
+  const int64_t b1 = g1 < groups ? grouping.begin(g1) : w->nblk;
   return {static_cast<const char*>(w->w) + b0 * block_bytes,
           std::min(kMaxBytes, (b1 - b0) * block_bytes)};
 }

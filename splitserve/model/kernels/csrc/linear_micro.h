@@ -12,7 +12,38 @@ namespace exact {
 constexpr int kLanes = 16;      // fp32 lanes of one accumulator (one zmm, two ymm)
 constexpr int kMaxRows = 6;     // rows of x per micro-kernel
 constexpr int kMaxBlocks = 4;   // 16-column blocks of w per micro-kernel
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the AVX2 path streams weights
+// How far ahead a decode task (each weight read once) fetches its weights, past the caches
+// (PREFETCHNTA: the 0.3 GB of a step's weights then no longer evict the Python and the
+// activations the next step starts with). Measured per path: 1,024 bytes on the AVX2 Zen 1;
+// 4,096 on a Zen 4's AVX-512 path (1,024 there was slower than the hardware prefetcher alone
+// at fast DRAM moments, 8,192 and more slower still).
+constexpr int64_t kPrefetchBytes = 1024;      // AVX2
+constexpr int64_t kPrefetchBytes512 = 4096;   // AVX-512 BF16
+
+// One cache line fetched toward L1 without displacing the caches' other contents.
+inline void prefetch_nta(const void* p) {
+  asm volatile("prefetchnta %0" : : "m"(*(const char*)p));  // gcc 12 drops _mm_prefetch (tasks.h)
+}
+
+// How a packed weight's 16-column blocks are grouped (pack_weight in kernels/__init__.py):
+// two halves, [0, nblk / 2) and [nblk / 2, nblk), each stored by groups of kMaxBlocks from
+// its start (a half's last group smaller), every group [KP][its blocks][16][2], one after
+// the other. A decode linear's tasks are its groups, and two threads' shares (half the
+// groups each) then hold the same bytes and end together: with groups of 4 from block 0,
+// a linear of 9 or 15 groups (the model's O and down, its QKV) left one thread streaming
+// the last group alone, at about half the DRAM rate two reach.
+struct BlockGroups {
+  int64_t nblk, half, first;  // first: the groups of the first half
+  explicit BlockGroups(int64_t nblk_)
+      : nblk(nblk_), half(nblk_ / 2), first((nblk_ / 2 + kMaxBlocks - 1) / kMaxBlocks) {}
+  int64_t count() const { return first + (nblk - half + kMaxBlocks - 1) / kMaxBlocks; }
+  int64_t begin(int64_t g) const {  // the group's first block
+    return g < first ? g * kMaxBlocks : half + (g - first) * kMaxBlocks;
+  }
+  int blocks(int64_t g) const {
+    return (int)std::min<int64_t>(kMaxBlocks, (g < first ? half : nblk) - begin(g));
+  }
+};
 
 inline uint32_t load_pair(const bf16_t* p, bool full) {
   // Two consecutive bf16 as one 32-bit word (element 2p low, 2p+1 high); the second is
@@ -58,12 +89,17 @@ AVX2_TARGET inline void load_w256(const int8_t* w, __m256& odd, __m256& even) {
 template <int MR, int NB, typename W>
 AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
                                 int64_t pair_stride, const float* scale, const float* bias,
-                                bf16_t* y, int64_t ldy, int64_t n_valid, bool /*stream*/) {
+                                bf16_t* y, int64_t ldy, int64_t n_valid, bool stream) {
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
+  constexpr int64_t kRunBytes = NB * 2 * kLanes * (int64_t)sizeof(W);  // read per k pair
   auto step = [&](int64_t p, bool full) AVX512_TARGET {
+    if (stream) {  // each weight is read once, from DRAM (decode)
+      const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes512;
+      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_nta(ahead + b);
+    }
     __m512bh b[NB];
     for (int c = 0; c < NB; ++c) b[c] = load_w512(w + p * pair_stride + c * 2 * kLanes);
     for (int r = 0; r < MR; ++r) {
@@ -120,7 +156,7 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
   for (int64_t p = 0; p < KP; ++p) {
     if (stream) {  // each weight is read once, from DRAM: fetch it ahead, past the caches
       const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes;
-      for (int64_t b = 0; b < kRunBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_NTA);
+      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_nta(ahead + b);
     }
     if constexpr (MR == 1) {
       // No row reuses a weight: widen and multiply one block at a time, so the 8
