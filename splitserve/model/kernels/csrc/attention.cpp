@@ -58,7 +58,7 @@ namespace exact {
 
 void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_t H,
                           const bf16_t* kv, const KvLayer& layout, const PagedIndex& index,
-                          float scale, bf16_t* out, const PackedLinear* next) {
+                          float scale, bf16_t* out) {
   const int64_t HKV = layout.kv_heads, D = layout.head_dim;
   TORCH_CHECK(D % 16 == 0 && D <= 128 && H % HKV == 0,
               "head_dim must be a multiple of 16 up to 128, heads a multiple of kv heads");
@@ -93,7 +93,7 @@ void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_
       if (task > 0) prefetch_run(a, runs[(task - 1) / HKV], (task - 1) % HKV);
       attend(a, runs[task / HKV], task % HKV, scratch);
     }
-  }, [&](int64_t me) { return weights_share(next, index.T, me); });
+  });
 }
 
 }  // namespace exact

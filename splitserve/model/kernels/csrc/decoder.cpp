@@ -99,7 +99,7 @@ class ExactDecoder {
       const at::Tensor& block_tables, const at::Tensor& token_seq,
       const at::Tensor& context_lens, int64_t begin, int64_t end) const {
     return layers(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
-                  context_lens, begin, end, nullptr);
+                  context_lens, begin, end);
   }
 
   // A whole step from token ids to fp32 logits [n, V] of `rows` (the flat batch's rows
@@ -140,7 +140,7 @@ class ExactDecoder {
       std::memcpy(data(sin) + t * D, cdata(e.sin) + pos[t] * D, D * sizeof(bf16_t));
     }
     auto [y, stream] = layers(x, c10::nullopt, cos, sin, kv_cache, slot_mapping, block_tables,
-                              token_seq, context_lens, 0, num_layers(), &e.head.w);
+                              token_seq, context_lens, 0, num_layers());
     if (rows) {  // the sampled rows alone (the norm and the head are row by row)
       const int64_t* r = rows->data_ptr<int64_t>();
       at::Tensor ys = at::empty({rows->numel(), H}, bf16), ss = at::empty_like(ys);
@@ -172,14 +172,12 @@ class ExactDecoder {
   }
 
  private:
-  // Layers [begin, end) as forward(); `after`: the linear that runs next (the LM head),
-  // whose weights the last layer's early threads fetch.
+  // Layers [begin, end) as forward().
   std::tuple<at::Tensor, at::Tensor> layers(
       at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& cos,
       const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
       const at::Tensor& block_tables, const at::Tensor& token_seq,
-      const at::Tensor& context_lens, int64_t begin, int64_t end,
-      const exact::PackedLinear* after) const {
+      const at::Tensor& context_lens, int64_t begin, int64_t end) const {
     TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers out of range");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
                 kv_cache.is_contiguous(), "kv_cache must be contiguous [layers, 2, NBLK, BS, HKV, D]");
@@ -252,20 +250,18 @@ class ExactDecoder {
                                   rm, heads_, kv, layout, slots + r.r0, q + r.r0 * qd, r.u0,
                                   r.u1);
         team.barrier();
-        // each op's early threads fetch the next linear's weights (ops.h)
-        exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn,
-                                    &l.o.w);
-        exact::linear_into(attn, T, l.o.w, o, &l.gate_up.w);
+        exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn);
+        exact::linear_into(attn, T, l.o.w, o);
         const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
         exact::rms_norm_into(o + n.r0 * H, stream + n.r0 * H, cdata(l.post_norm), nm, H, eps_,
                              res_b + n.r0 * H, h2 + n.r0 * H, n.u0 * 16, n.u1 * 16);
         team.barrier();
-        exact::linear_into(h2, T, l.gate_up.w, gate_up, &l.down.w);
+        exact::linear_into(h2, T, l.gate_up.w, gate_up);
         exact::silu_mul_into(gate_up + s.r0 * 2 * I, s.r1 - s.r0, I, act + s.r0 * I,
                              s.u0 * 16, s.u1 * 16);
         team.barrier();
         bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
-        exact::linear_into(act, T, l.down.w, y, i + 1 < end ? &layers_[i + 1].qkv.w : after);
+        exact::linear_into(act, T, l.down.w, y);
         in = y;
         res_in = res_b;
       }

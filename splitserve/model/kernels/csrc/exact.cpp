@@ -102,18 +102,15 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
 // y [M, N] = the fold of x [M, K] with one packed weight (bf16 or int8), threads taking
 // (column group, row chunk) tasks (parallel_tasks): never a reduction. A task of at most
 // one micro-kernel's rows (decode) reads its weights once, so it prefetches them past the
-// caches (linear_micro.h's kPrefetchBytes), and a thread out of tasks fetches its share of
-// the next linear's weights while the others finish (`next`, parallel_tasks; a batch-1
-// step 1-2% faster). A task of more rows first widens its group once, into a per-thread
-// buffer that stays in L2: to fp32 for the AVX2 panels (linear_micro.h), and an int8 group
-// to bf16 for the AVX-512 micro-kernels. The same values, so the same bits, with the
-// widening paid once per 60 rows instead of once per 6. On AMX (K a multiple of 32, every
-// row count) the tiles (linear_amx.h) take the group instead, an int8 group always widened
-// to bf16 first.
+// caches (linear_micro.h's kPrefetchBytes). A task of more rows first widens its group
+// once, into a per-thread buffer that stays in L2: to fp32 for the AVX2 panels
+// (linear_micro.h), and an int8 group to bf16 for the AVX-512 micro-kernels. The same
+// values, so the same bits, with the widening paid once per 60 rows instead of once per 6.
+// On AMX (K a multiple of 32, every row count) the tiles (linear_amx.h) take the group
+// instead, an int8 group always widened to bf16 first.
 template <typename W>
 void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* b, bf16_t* yp,
-                int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa,
-                const PackedLinear* next) {
+                int64_t M, int64_t K, int64_t N, int64_t nblk, int64_t KP, int isa) {
   const Table<W>& table = table_for<W>(isa);
   const Table<bf16_t>& widened_table = table_for<bf16_t>(isa);
   const bool amx = isa == kAmxBf16 && K % kAmxK == 0;
@@ -170,7 +167,7 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
       }
     }
     if (amx) stage.finish();
-  }, [&](int64_t me) { return weights_share(next, M, me); });
+  });
 }
 
 void check_bf16(const at::Tensor& t, const char* name) {
@@ -207,34 +204,17 @@ PackedLinear packed_linear(const at::Tensor& w_packed, int64_t K, int64_t N,
                       KP};
 }
 
-void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y,
-                 const PackedLinear* next) {
+void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y) {
   if (M == 0) return;
   const int isa = active_isa();
   TORCH_CHECK(isa != 0, "exact kernels need AVX2+FMA or AVX-512 BF16");
   if (w.int8) {
     run_linear(x, static_cast<const int8_t*>(w.w), w.scale, w.bias, y, M, w.K, w.N, w.nblk,
-               w.KP, isa, next);
+               w.KP, isa);
   } else {
     run_linear(x, static_cast<const bf16_t*>(w.w), w.scale, w.bias, y, M, w.K, w.N, w.nblk,
-               w.KP, isa, next);
+               w.KP, isa);
   }
-}
-
-Span weights_share(const PackedLinear* w, int64_t M, int64_t me) {
-  constexpr int64_t kMaxBytes = 512 << 10;  // well inside a core's L2
-  if (!w || M == 0 || M > 60) return {};  // more rows: the group is reused from L2 anyway
-  const BlockGroups grouping(w->nblk);
-  const int64_t groups = grouping.count();
-  const Team* team = Team::current();
-  const int64_t threads = std::min<int64_t>(groups, team ? team->threads() : at::get_num_threads());
-  if (me >= threads) return {};
-  const int64_t block_bytes = w->KP * 2 * kLanes * (w->int8 ? 1 : 2);
-  const int64_t g1 = groups * (me + 1) / threads;
-  const int64_t b0 = grouping.begin(groups * me / threads);
-  const int64_t b1 = g1 < groups ? grouping.begin(g1) : w->nblk;
-  return {static_cast<const char*>(w->w) + b0 * block_bytes,
-          std::min(kMaxBytes, (b1 - b0) * block_bytes)};
 }
 
 }  // namespace exact

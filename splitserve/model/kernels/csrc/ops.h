@@ -49,13 +49,7 @@ struct PackedLinear {
 PackedLinear packed_linear(const at::Tensor& w_packed, int64_t K, int64_t N,
                            const c10::optional<at::Tensor>& bias,
                            const c10::optional<at::Tensor>& scale);
-// `next`: the linear the caller runs after this op, if any (the decoder's layers): threads
-// done early fetch their share of its weights (parallel_tasks).
-void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y,
-                 const PackedLinear* next = nullptr);
-// The bytes of `w` that thread `me` reads first when it runs over M rows (decode sizes;
-// empty otherwise), at most 512 KB.
-Span weights_share(const PackedLinear* w, int64_t M, int64_t me);
+void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y);
 
 // h = x + residual (when residual is not null; h may then be neither x nor residual), y its
 // norm; x, residual, h, y [M, H]. [c0, c1): the columns of h and y written (all when c1 <
@@ -93,7 +87,7 @@ PagedIndex paged_index(const at::Tensor& block_tables, const at::Tensor& token_s
 // q [T, H, D] with strides (q_tok, q_head, 1); out [T, H, D] contiguous.
 void paged_attention_into(const bf16_t* q, int64_t q_tok, int64_t q_head, int64_t H,
                           const bf16_t* kv, const KvLayer& layout, const PagedIndex& index,
-                          float scale, bf16_t* out, const PackedLinear* next = nullptr);
+                          float scale, bf16_t* out);
 
 // slot_mapping [T] int64, each slot checked against the cache; returns its data.
 const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t T, const KvLayer& kv);

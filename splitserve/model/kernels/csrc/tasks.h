@@ -68,12 +68,6 @@ class TaskShares {
     return false;
   }
 
-  // `k` threads found no task left; true while others still run theirs.
-  bool finish(int64_t k) {
-    return working_.fetch_sub(k, std::memory_order_acq_rel) > k;
-  }
-  bool working() const { return working_.load(std::memory_order_relaxed) > 0; }
-
  private:
   // A share: its next task and its end in one word, so a share set anew is read whole.
   static uint64_t pair(int64_t next, int64_t end) { return (uint64_t)end << 32 | (uint64_t)next; }
@@ -84,7 +78,6 @@ class TaskShares {
   };
   const int64_t threads_;
   Share share_[kMaxThreads];
-  alignas(64) std::atomic<int64_t> working_{threads_};
 };
 
 // One thread's view of the shares: `take(task)` until it returns false.
@@ -97,20 +90,6 @@ class Tasks {
   TaskShares& shares_;
   const int64_t me_;
 };
-
-// Bytes a thread will read in the next op (its share of the next linear's weights).
-struct Span {
-  const char* p = nullptr;
-  int64_t bytes = 0;
-};
-
-// Fetches s into L2, 4 KB at a time, while still() holds.
-template <typename Still>
-void fetch_while(const Span& s, const Still& still) {
-  constexpr int64_t kStep = 4096;
-  for (int64_t o = 0; o < s.bytes && still(); o += kStep)
-    for (int64_t b = o; b < std::min(s.bytes, o + kStep); b += 64) prefetch_line<2>(s.p + b);
-}
 
 // A team: the threads of one parallel region that runs a whole decoder call (decoder.cpp).
 // With each op in a region of its own, a batch-1 step paid a region's start and end ~150
@@ -132,7 +111,7 @@ class Team {
     std::mutex error_mutex;
     auto member = [&](int64_t me) {
       Team* const outer = current_;
-      current_ = &team, me_ = me, ops_ = 0;
+      current_ = &team, me_ = me;
       try {
         body();
       } catch (...) {
@@ -174,21 +153,14 @@ class Team {
   }
 
   // parallel_tasks in a team: every thread calls it; each sets its own share, takes tasks,
-  // fetches `next_read(me)` while another still works, and waits for the others.
-  template <typename F, typename Next>
-  void tasks(int64_t n, const F& worker, const Next& next_read) {
-    const int64_t me = me_, op = ++ops_;
-    shares_.reset(me, std::max<int64_t>(n, 0));
+  // and waits for the others.
+  template <typename F>
+  void tasks(int64_t n, const F& worker) {
+    shares_.reset(me_, std::max<int64_t>(n, 0));
     if (n > 0 && !failed_.load(std::memory_order_relaxed)) {
-      Tasks mine(shares_, me);
+      Tasks mine(shares_, me_);
       worker(mine);
     }
-    done_[me].op.store(op, std::memory_order_release);
-    fetch_while(next_read(me), [&] {
-      for (int64_t t = 0; t < threads_; ++t)
-        if (done_[t].op.load(std::memory_order_relaxed) < op) return true;
-      return false;
-    });
     barrier();
   }
 
@@ -208,15 +180,11 @@ class Team {
 
   int64_t threads_;
   TaskShares shares_;
-  struct alignas(64) Done {
-    std::atomic<int64_t> op{0};  // the count of ops whose tasks this thread has finished
-  };
-  Done done_[TaskShares::kMaxThreads];
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
   std::atomic<bool> failed_{false};
   static inline thread_local Team* current_ = nullptr;
-  static inline thread_local int64_t me_ = 0, ops_ = 0;
+  static inline thread_local int64_t me_ = 0;
 };
 
 // What an op of the decoder sees of its team: the part of a row-wise op it does and the
@@ -246,28 +214,23 @@ struct TeamView {
 };
 
 // Runs worker(tasks) on up to `n` threads of the pool (once, inline, inside a parallel
-// region); the workers take tasks [0, n) between them until none is left. A thread that
-// finds none left while others still work fetches `next_read(me)` into L2 meanwhile,
-// 4 KB at a time, until the last one is done (then it goes to the barrier): in a decode
-// step the ops run one after another, and the weights are read from DRAM once each.
-// In a team (above), the team's threads take the tasks, and all wait for the last.
-template <typename F, typename Next>
-void parallel_tasks(int64_t n, const F& worker, const Next& next_read) {
+// region); the workers take tasks [0, n) between them until none is left. In a team
+// (above), the team's threads take the tasks, and all wait for the last. (A thread out of
+// tasks used to fetch its share of the next linear's weights into L2 while the others
+// finished: 1-2% of a batch-1 step once, nothing since a decode linear's two shares end
+// together and its weights stream past the caches; removed, docs/benchmarks.md 11-30.)
+template <typename F>
+void parallel_tasks(int64_t n, const F& worker) {
   if (Team* team = Team::current()) {
-    team->tasks(n, worker, next_read);
+    team->tasks(n, worker);
     return;
   }
   if (n <= 0) return;
   TaskShares shares(n, std::min<int64_t>(n, at::get_num_threads()));
-  at::parallel_for(0, shares.threads(), 1, [&](int64_t me, int64_t end) {
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t me, int64_t) {
     Tasks tasks(shares, me);
     worker(tasks);
-    if (shares.finish(end - me)) fetch_while(next_read(me), [&] { return shares.working(); });
   });
-}
-template <typename F>
-void parallel_tasks(int64_t n, const F& worker) {
-  parallel_tasks(n, worker, [](int64_t) { return Span{}; });
 }
 
 }  // namespace exact
