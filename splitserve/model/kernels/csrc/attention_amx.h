@@ -223,7 +223,8 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
     if constexpr (kDc > 1) _tile_loadd(6, sc.qt.data() + 16 * 16, 64);
     for (int64_t l0 = 0; l0 < L16; l0 += 16) {
       const bf16_t* kb = group(table, k, l0);
-      if (l0 + 32 < L16) prefetch_16_rows<D>(group(table, k, l0 + 32), tok_stride);  // 2 tiles ahead
+      if (l0 + 32 < L16)  // 2 tiles ahead
+        prefetch_16_rows<D>(group(table, k, l0 + 32), tok_stride);
       _tile_zero(0);
       _tile_loadd(4, kb, tok_stride * (int64_t)sizeof(bf16_t));
       _tile_dpbf16ps(0, 4, 5);
@@ -250,7 +251,8 @@ AMX_TARGET void attend_tile_amx(const bf16_t* q, int64_t q_tok, int64_t q_head, 
   alignas(64) float zs[16];
   softmax_numerators(sc.st.data(), L, lo, row_ctx, scale, sc.pt.data(), zs);
   sc.pa.resize(L32 * 16);
-  for (int64_t l0 = 0; l0 < L32; l0 += 32) rows_of_keys(sc.pt.data() + l0 * 16, sc.pa.data() + l0 * 16);
+  for (int64_t l0 = 0; l0 < L32; l0 += 32)
+    rows_of_keys(sc.pt.data() + l0 * 16, sc.pa.data() + l0 * 16);
 
   // o = P V per segment, 32 keys at a time: P as the A tile (rows x 32 keys; the segment's
   // rows, the others' products discarded), V packed in key pairs (pack_v_step), by the tile

@@ -110,10 +110,11 @@ class ExactDecoder {
   // ~20-50 us there against ~5 warm). input_ids, positions [T] int64; rows [n] int64.
   // Returns the logits and each row's first maximum [n] int64 (the greedy token: a numpy
   // argmax over the cold logits cost a step ~75 us in Python).
-  std::tuple<at::Tensor, at::Tensor> logits(const at::Tensor& input_ids, const at::Tensor& positions,
-                    at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                    const at::Tensor& block_tables, const at::Tensor& token_seq,
-                    const at::Tensor& context_lens, const c10::optional<at::Tensor>& rows) const {
+  std::tuple<at::Tensor, at::Tensor> logits(
+      const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor& kv_cache,
+      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+      const at::Tensor& token_seq, const at::Tensor& context_lens,
+      const c10::optional<at::Tensor>& rows) const {
     TORCH_CHECK(ends_, "ExactDecoder: built without the model's ends");
     const Ends& e = *ends_;
     const int64_t T = input_ids.numel(), H = hidden_, D = head_dim_, V = e.embedding.size(0);
@@ -180,7 +181,8 @@ class ExactDecoder {
       const at::Tensor& context_lens, int64_t begin, int64_t end) const {
     TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers out of range");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
-                kv_cache.is_contiguous(), "kv_cache must be contiguous [layers, 2, NBLK, BS, HKV, D]");
+                kv_cache.is_contiguous(),
+                "kv_cache must be contiguous [layers, 2, NBLK, BS, HKV, D]");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                 x.dim() == 2 && x.size(1) == hidden_, "x must be contiguous bfloat16 [T, hidden]");
     const int64_t T = x.size(0), H = hidden_, I = intermediate_;

@@ -45,8 +45,9 @@ constexpr int64_t kAmxK = 32;     // k per tile step: 16 pairs
 constexpr int64_t kAmxRows = 16;  // rows of one A / C tile
 
 // One thread's tile configuration: C tiles 0-3 (one per 16-column block), A tile 4, B tiles
-// 5 and 6 (and 7, attention's second key tile), all 64 bytes wide; A and C hold `rows` rows. Released (tiles back to their init
-// state, cheap to save at a context switch) when the thread's tasks are done.
+// 5 and 6 (and 7, attention's second key tile), all 64 bytes wide; A and C hold `rows`
+// rows. Released (tiles back to their init state, cheap to save at a context switch) when
+// the thread's tasks are done.
 class AmxTiles {
  public:
   ~AmxTiles() {

@@ -20,11 +20,6 @@ constexpr int kMaxBlocks = 4;   // 16-column blocks of w per micro-kernel
 constexpr int64_t kPrefetchBytes = 1024;      // AVX2
 constexpr int64_t kPrefetchBytes512 = 4096;   // AVX-512 BF16
 
-// One cache line fetched toward L1 without displacing the caches' other contents.
-inline void prefetch_nta(const void* p) {
-  asm volatile("prefetchnta %0" : : "m"(*(const char*)p));  // gcc 12 drops _mm_prefetch (tasks.h)
-}
-
 // How a packed weight's 16-column blocks are grouped (pack_weight in kernels/__init__.py):
 // two halves, [0, nblk / 2) and [nblk / 2, nblk), each stored by groups of kMaxBlocks from
 // its start (a half's last group smaller), every group [KP][its blocks][16][2], one after
@@ -107,7 +102,7 @@ AVX512_TARGET void micro_avx512(const bf16_t* x, int64_t ldx, int64_t K, const W
                  // branch inside the one loop cost the 6-row kernel 2.6x (spilled registers)
     for (int64_t p = 0; p < full_pairs; ++p) {
       const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes512;
-      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_nta(ahead + b);
+      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_line<0>(ahead + b);
       step(p, true);
     }
   } else {
@@ -161,7 +156,7 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
   for (int64_t p = 0; p < KP; ++p) {
     if (stream) {  // each weight is read once, from DRAM: fetch it ahead, past the caches
       const char* ahead = (const char*)(w + p * pair_stride) + kPrefetchBytes;
-      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_nta(ahead + b);
+      for (int64_t b = 0; b < kRunBytes; b += 64) prefetch_line<0>(ahead + b);
     }
     if constexpr (MR == 1) {
       // No row reuses a weight: widen and multiply one block at a time, so the 8

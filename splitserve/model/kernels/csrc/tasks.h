@@ -21,10 +21,14 @@ namespace exact {
 // One cache line fetched toward the core. asm volatile: gcc 12 dropped every
 // __builtin_prefetch / _mm_prefetch of the attention's key loops they were inlined into
 // (not one prefetch instruction in the binary).
-template <int Locality>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
+// 3: into L1 (prefetcht0), 2: into L2 (prefetcht1), 0: toward L1 with the non-temporal
+// hint (prefetchnta: a decode linear's weights, each read once).
+template <int Locality>
 inline void prefetch_line(const void* p) {
+  static_assert(Locality == 0 || Locality == 2 || Locality == 3, "locality 0, 2 or 3");
   if constexpr (Locality == 3) asm volatile("prefetcht0 %0" : : "m"(*(const char*)p));
-  else asm volatile("prefetcht1 %0" : : "m"(*(const char*)p));
+  else if constexpr (Locality == 2) asm volatile("prefetcht1 %0" : : "m"(*(const char*)p));
+  else asm volatile("prefetchnta %0" : : "m"(*(const char*)p));
 }
 
 // Tasks [0, n) of one parallel region. Each thread starts with a contiguous share, as
@@ -34,8 +38,9 @@ inline void prefetch_line(const void* p) {
 // does, the others waiting at the barrier; here they take over its tasks. Each share's
 // counter has its own cache line, so taking from one's own share costs an uncontended
 // atomic add (one counter for all threads cost ~0.5 ms more a decode step than fixed
-// shares on a Zen 1: its line moved between the cores at every task). A task's outputs are its own and computed by
-// the same code whichever thread runs it, so the bits do not depend on who takes what.
+// shares on a Zen 1: its line moved between the cores at every task). A task's outputs are
+// its own and computed by the same code whichever thread runs it, so the bits do not
+// depend on who takes what.
 class TaskShares {
  public:
   static constexpr int64_t kMaxThreads = 64;
