@@ -158,7 +158,8 @@ class CpuMonitor:
         self._t0 = self._busy0 = self._own0 = 0.0
 
     def start(self) -> "CpuMonitor":
-        self._t0, self._busy0, self._own0 = time.monotonic(), _cpu_busy_seconds(), _own_cpu_seconds()
+        self._t0, self._busy0, self._own0 = (time.monotonic(), _cpu_busy_seconds(),
+                                             _own_cpu_seconds())
         return self
 
     def stop(self) -> float:

@@ -158,7 +158,7 @@ def hf_decode(model: nn.Module, prompts: Sequence[list[int]], new_tokens: int
     return time.perf_counter() - t0, len(prompts) * (new_tokens - 1)
 
 
-# -- the machine's bound for each figure -------------------------------------------------------------
+# -- the machine's bound for each figure -----------------------------------------------------------
 @dataclass
 class Bound:
     tok_s: float

@@ -108,13 +108,14 @@ def report(args: argparse.Namespace, st: Any, engine: LLMEngine,
     gemm_dtype, gemm = gemm
     lines += ["", f"Machine limits in this run ({args.threads} threads): {gemm_dtype} GEMM 2048^3 "
               f"{fmt_flops(gemm.best)} (best of 7; median {fmt_flops(gemm.median)}), DRAM read "
-              f"(sum over a filled 1 GiB buffer on 2 MB pages) {dram.best / 1e9:.1f} GB/s (best of 7; median "
-              f"{dram.median / 1e9:.1f}). Bounds use the best values.", ""]
+              f"(sum over a filled 1 GiB buffer on 2 MB pages) {dram.best / 1e9:.1f} GB/s "
+              f"(best of 7; median {dram.median / 1e9:.1f}). Bounds use the best values.", ""]
     if at_shapes is not None:
         linears, shape_bound = at_shapes
         prefill = next(iter(results.values()))["prefill"].value
         lines[-1:] = [
-            "", f"At the model's own shapes ({PREFILL_LEN} rows through the {engine.spec.num_layers} "
+            "",
+            f"At the model's own shapes ({PREFILL_LEN} rows through the {engine.spec.num_layers} "
             f"layers' projections, distinct weights), torch's linear (oneDNN) ran "
             f"{fmt_flops(linears.best)} (best of 7; median {fmt_flops(linears.median)}), "
             f"{linears.best / gemm.best:.0%} of its 2048^3 rate: a prefill bound at that rate "

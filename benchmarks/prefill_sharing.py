@@ -4,7 +4,8 @@ vLLM-v1's schedule and ours before 2026-11-25), 2 (the default) and 4, and at 2 
 `max_step_ms` 1000 (what `splitserve serve` runs: no step longer than a second at the
 engine's measured speed, so a prompt arriving mid-step waits less on a slow CPU).
 
-    python benchmarks/prefill_sharing.py          # ~5 min on 2 cores (AVX2), writes docs/benchmarks.md
+    python benchmarks/prefill_sharing.py          # ~5 min on 2 cores (AVX2),
+                                                    writes docs/benchmarks.md
     python benchmarks/prefill_sharing.py --quick  # short prompts, no doc
 
 One engine (default model, bf16, 512-token step budget) on one core, as a prefill worker

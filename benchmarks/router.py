@@ -32,8 +32,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # noqa: E402
                           machine_description, markdown_table, other_cpu_load, write_section)
-from splitserve.cluster.router.router import (Role, RouteRequest, Router, RouterConfig,  # noqa: E402
-                                       WorkerLoad)
+from splitserve.cluster.router.router import (Role, RouteRequest, Router,  # noqa: E402
+                                       RouterConfig, WorkerLoad)
 from splitserve.kv_cache.block_hash import BlockHash, hash_full_blocks, root_hash  # noqa: E402
 from splitserve.kv_cache.events import BlockStored  # noqa: E402
 

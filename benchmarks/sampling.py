@@ -110,7 +110,8 @@ def main() -> int:
                      f"{now:.1f} ({now - greedy:+.1f})", f"{now / before:.2f}x",
                      f"{(now - greedy) / b:+.2f} vs {(before - greedy) / b:+.2f}"])
     header = ["batch", "greedy step ms", "sampled, exponential race (before) ms",
-              "sampled, inverse CDF (now) ms", "now / before", "sampling ms per row (now vs before)"]
+              "sampled, inverse CDF (now) ms", "now / before",
+              "sampling ms per row (now vs before)"]
     body = "\n".join([
         f"Decode steps of the default model (bf16, {torch.get_num_threads()} threads, "
         f"vocabulary {engine.spec.vocab_size}), temperature 1 against greedy on one engine; "

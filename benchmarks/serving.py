@@ -16,12 +16,12 @@ client's cost, not the server's, and is reported in its own column. The TTFT ove
 also given at the first event: when the response's first body bytes (the first SSE event,
 which carries the first token) reach the client's socket, as a raw-SSE client (vLLM's
 `bench serve`) sees them, before the openai library parses and validates the chunk on the
-same cores. TPOT = (E2E - TTFT) / (tokens - 1). Baselines run the engine alone in a process pinned like the workers:
-disagg workers get one core and one thread each, so its baseline is the engine on one
-core; the agg worker gets both cores, so its baseline is the engine on two. Each measured
-request follows an unmeasured one on the same setup: on the VMs these figures come from,
-a prefill after a second or more of idle ran up to 2x slower (no page faults in the
-guest), which hit the setups unequally.
+same cores. TPOT = (E2E - TTFT) / (tokens - 1). Baselines run the engine alone in a
+process pinned like the workers: disagg workers get one core and one thread each, so its
+baseline is the engine on one core; the agg worker gets both cores, so its baseline is the
+engine on two. Each measured request follows an unmeasured one on the same setup: on the
+VMs these figures come from, a prefill after a second or more of idle ran up to 2x slower
+(no page faults in the guest), which hit the setups unequally.
 """
 from __future__ import annotations
 

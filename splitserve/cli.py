@@ -122,7 +122,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "predicted TTFT passes --slo-ttft-ms gets 429 at once (early rejection)")
     p.add_argument("--tenant-max-cached-blocks", type=int, help="per-tenant cache cap")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (SLO attainment metric)")
-    p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (local prefills must respect it; SLO metric)")
+    p.add_argument("--slo-tpot-ms", type=float,
+                   help="TPOT target (local prefills must respect it; SLO metric)")
     p.add_argument("--dtype", help="auto (bfloat16) | float32")
     p.add_argument("--quantization", help="none | int8 (weight-only, exact kernels: CPU bf16)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,

@@ -85,7 +85,8 @@ class EngineConfig:
             known = sorted([*cache_keys, *sched_keys, *engine_keys])
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {known}")
         pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
-        return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),  # type: ignore[arg-type]
+        return EngineConfig(model=model,
+                            cache=CacheConfig(**pick(cache_keys)),  # type: ignore[arg-type]
                             scheduler=SchedulerConfig(**pick(sched_keys)),  # type: ignore[arg-type]
                             **pick(engine_keys))  # type: ignore[arg-type]
 
@@ -338,7 +339,8 @@ class ServeConfig:
 
     def engine_args(self) -> dict[str, object]:
         return {"model": self.model, "dtype": self.dtype, "quantization": self.quantization,
-                "batch_invariant": self.batch_invariant, "block_size": self.block_size, "max_model_len": self.max_model_len,
+                "batch_invariant": self.batch_invariant, "block_size": self.block_size,
+                "max_model_len": self.max_model_len,
                 "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_num_partial_prefills": self.max_num_partial_prefills,

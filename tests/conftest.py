@@ -56,26 +56,30 @@ def _write_tiny(model_cls: Any, config: Any, path: Path, tokenizer: Tokenizer) -
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Tokenizer) -> str:
-    """Random-weight 2-layer Llama HF checkpoint (untied lm_head, theta 1e4) with the default tokenizer."""
+    """Random-weight 2-layer Llama HF checkpoint (untied lm_head, theta 1e4) with the default
+    tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         **TINY_SHAPE, vocab_size=default_tokenizer.vocab_size, rope_parameters=_rope(10000.0),
         tie_word_embeddings=False,
     )
-    return _write_tiny(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny_llama"), default_tokenizer)
+    return _write_tiny(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny_llama"),
+                       default_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Tokenizer) -> str:
-    """Random-weight 2-layer Qwen2 HF checkpoint (q/k/v biases, tied, theta 1e6) with the default tokenizer."""
+    """Random-weight 2-layer Qwen2 HF checkpoint (q/k/v biases, tied, theta 1e6) with the
+    default tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         **TINY_SHAPE, vocab_size=default_tokenizer.vocab_size, rope_parameters=_rope(1e6),
         tie_word_embeddings=True,
     )
-    return _write_tiny(Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"), default_tokenizer)
+    return _write_tiny(Qwen2ForCausalLM, config, tmp_path_factory.mktemp("tiny_qwen2"),
+                       default_tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -92,13 +96,15 @@ def hf_reference_smollm2(default_model_path: str) -> Any:
 
     directory, name = os.path.split(default_model_path)
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    with no_init_weights():  # every parameter is overwritten below; skipping random init saves seconds
+    # every parameter is overwritten below; skipping random init saves seconds
+    with no_init_weights():
         model = LlamaForCausalLM(config)
     with pytest.MonkeyPatch.context() as patch:
         # NOTE: transformers rebuilds gguf's (pure, read-only) tensor name map once per submodule,
         # ~400 times (~8 s); memoizing it changes nothing but the time.
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        tensors = load_gguf_checkpoint(default_model_path, return_tensors=True, model_to_load=model)["tensors"]
+        tensors = load_gguf_checkpoint(default_model_path, return_tensors=True,
+                                       model_to_load=model)["tensors"]
     result = model.load_state_dict(tensors, strict=False, assign=True)
     assert not result.unexpected_keys, result.unexpected_keys
     assert result.missing_keys == ["lm_head.weight"], result.missing_keys

@@ -96,7 +96,8 @@ def build_completion_request(body: CompletionRequest, request_id: str, scope: Ca
     _check_ids(prompt_ids, params, info)
     check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=scope.namespace, tenant=scope.tenant, disagg=_disagg_policy(body))
+                           namespace=scope.namespace, tenant=scope.tenant,
+                           disagg=_disagg_policy(body))
 
 
 def build_chat_request(body: ChatCompletionRequest, request_id: str, scope: CacheScope,
@@ -123,7 +124,8 @@ def build_chat_request(body: ChatCompletionRequest, request_id: str, scope: Cach
         _check_ids(prompt_ids, params, info)
         check_length(len(prompt_ids), params.max_tokens, info.max_model_len)
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                           namespace=scope.namespace, tenant=scope.tenant, disagg=_disagg_policy(body))
+                           namespace=scope.namespace, tenant=scope.tenant,
+                           disagg=_disagg_policy(body))
 
 
 @contextmanager

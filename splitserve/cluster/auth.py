@@ -124,7 +124,8 @@ class WorkerSecret:
 def check_identity(identity: bytes) -> str:
     """A routing id the launcher may register: printable ASCII, 1-255 bytes (ZeroMQ's
     limit; it reserves ids starting with a zero byte for the ones it makes up)."""
-    if not 0 < len(identity) <= 255 or not identity.isascii() or not identity.decode().isprintable():
+    if (not 0 < len(identity) <= 255 or not identity.isascii()
+            or not identity.decode().isprintable()):
         raise ValueError(f"identity {identity!r} must be 1-255 printable ASCII bytes")
     return identity.decode()
 

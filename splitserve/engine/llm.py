@@ -64,7 +64,8 @@ class LLM:
         # The template writes special tokens (BOS included) itself: encode without adding more.
         prompts: list[Prompt] = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),  # type: ignore[arg-type]
+                self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=True),  # type: ignore[arg-type]
                 add_special_tokens=False)
             for conv in conversations]
         return self.generate(prompts, sampling_params)

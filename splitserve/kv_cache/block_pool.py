@@ -81,7 +81,8 @@ class BlockPool:
         for _ in range(num):
             block_id, _ = self._free_queue.popitem(last=False)
             block = self._blocks[block_id]
-            assert block.ref_cnt == 0, f"block {block_id} in free queue with ref_cnt {block.ref_cnt}"
+            assert block.ref_cnt == 0, (
+                f"block {block_id} in free queue with ref_cnt {block.ref_cnt}")
             if block.block_hash is not None and self.on_evict is not None:
                 self.on_evict(block)
             self._evict(block)

@@ -12,7 +12,8 @@ KV_FORMAT_VERSION = 1
 
 def model_fingerprint(spec: ModelSpec, kv_dtype: str, block_size: int,
                       weights_digest: str, kernels: str = "default") -> str:
-    """Hex digest over everything that decides whether two engines' KV blocks are interchangeable."""
+    """Hex digest over everything that decides whether two engines' KV blocks are
+    interchangeable."""
     fields = {
         "kv_format_version": KV_FORMAT_VERSION,
         "architecture": spec.architecture,

@@ -131,7 +131,8 @@ class GGUFFile:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                     return cls._parse(path, buf, size)
         except OSError as e:
-            raise ModelLoadError(f"cannot read GGUF file {path}: {e}; check the path and permissions") from e
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}; "
+                                 "check the path and permissions") from e
 
     @classmethod
     def _parse(cls, path: str, buf: mmap.mmap, size: int) -> GGUFFile:
@@ -157,12 +158,14 @@ class GGUFFile:
             raw_infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
         alignment = metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment <= 0:
-            raise ModelLoadError(f"GGUF file {path} has invalid general.alignment {alignment!r}; re-convert it")
+            raise ModelLoadError(f"GGUF file {path} has invalid general.alignment "
+                                 f"{alignment!r}; re-convert it")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, rel_offset in raw_infos:
             nbytes = _tensor_nbytes(path, name, dims, ggml_type)
-            info = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + rel_offset, nbytes)
+            info = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type,
+                                  data_start + rel_offset, nbytes)
             if info.offset + nbytes > size:
                 raise ModelLoadError(
                     f"GGUF file {path} is truncated: tensor {name!r} ends at byte "
@@ -180,7 +183,8 @@ class GGUFFile:
             row_bytes = info.shape[-1] // block_size * type_size
             raw = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
             if raw.size != info.nbytes:
-                raise ModelLoadError(f"GGUF file {self.path} is truncated at tensor {name!r}; re-download it")
+                raise ModelLoadError(f"GGUF file {self.path} is truncated at tensor "
+                                     f"{name!r}; re-download it")
             blocks = raw.reshape(*info.shape[:-1], row_bytes)
             values = dequantize(blocks, GGMLQuantizationType(info.ggml_type))
         except (NotImplementedError, ValueError, OSError) as e:
@@ -214,12 +218,14 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2")
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # `{arch}.rope.scaling.*` key -> HF rope_scaling key
 _ROPE_SCALING_KEYS = {
-    "type": "rope_type", "factor": "factor", "original_context_length": "original_max_position_embeddings",
+    "type": "rope_type", "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
     "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
 }
 
@@ -240,12 +246,13 @@ def gguf_spec(f: GGUFFile) -> ModelSpec:
     arch = md.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"GGUF file {f.path} has architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+            f"GGUF file {f.path} has architecture {arch!r}; "
+            f"supported: {', '.join(_GGUF_ARCHITECTURES)}"
         )
     if "rope_freqs.weight" in f.tensors:
         raise ModelLoadError(
-            f"GGUF file {f.path} uses llama3-style rope scaling (rope_freqs), which is not supported "
-            "from GGUF; use the model's Hugging Face safetensors directory instead"
+            f"GGUF file {f.path} uses llama3-style rope scaling (rope_freqs), which is not "
+            "supported from GGUF; use the model's Hugging Face safetensors directory instead"
         )
 
     def need(key: str) -> Any:
@@ -255,7 +262,8 @@ def gguf_spec(f: GGUFFile) -> ModelSpec:
 
     hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
     embd = f.tensors.get("token_embd.weight")
-    vocab = md.get(f"{arch}.vocab_size") or (embd.shape[0] if embd else len(md.get("tokenizer.ggml.tokens", [])))
+    vocab = md.get(f"{arch}.vocab_size") or (
+        embd.shape[0] if embd else len(md.get("tokenizer.ggml.tokens", [])))
     scaling = {
         hf_key: md[f"{arch}.rope.scaling.{key}"]
         for key, hf_key in _ROPE_SCALING_KEYS.items()
@@ -300,7 +308,8 @@ class GGUFWeights:
         """Yield (name, float32 tensor) for `names`, in that order."""
         for name in names:
             tensor = self.file.load_tensor(self.hf_to_gguf[name])
-            if self.spec.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if (self.spec.architecture == "llama"
+                    and name.endswith(("q_proj.weight", "k_proj.weight"))):
                 heads = self.spec.num_heads if "q_proj" in name else self.spec.num_kv_heads
                 tensor = _unpermute_rope_rows(tensor, heads)
             yield name, tensor

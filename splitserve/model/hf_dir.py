@@ -77,7 +77,8 @@ def read_hf_spec(path: str) -> ModelSpec:
     def need(key: str) -> int:
         value = cfg.get(key)
         if not isinstance(value, int):
-            raise ModelLoadError(f"{cfg_file} lacks integer {key!r}; fix or re-download the checkpoint")
+            raise ModelLoadError(f"{cfg_file} lacks integer {key!r}; "
+                                 "fix or re-download the checkpoint")
         return value
 
     hidden, num_heads = need("hidden_size"), need("num_attention_heads")
@@ -143,7 +144,8 @@ class SafetensorsWeights:
         if os.path.isfile(index_file):
             weight_map = read_json(index_file).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ModelLoadError(f"{index_file} has no 'weight_map'; re-download the checkpoint")
+                raise ModelLoadError(f"{index_file} has no 'weight_map'; "
+                                     "re-download the checkpoint")
             for name, shard in weight_map.items():
                 self.name_to_file[name] = os.path.join(path, str(shard))
         else:
@@ -153,7 +155,8 @@ class SafetensorsWeights:
                         self.name_to_file[name] = os.path.join(path, entry)
         self.files = sorted(set(self.name_to_file.values()))
         if not self.files:
-            raise ModelLoadError(f"{path} has config.json but no *.safetensors weights; download them")
+            raise ModelLoadError(f"{path} has config.json but no *.safetensors weights; "
+                                 "download them")
         for file in self.files:
             if not os.path.isfile(file):
                 raise ModelLoadError(f"shard {file} named in {index_file} is missing; download it")
@@ -175,7 +178,8 @@ class SafetensorsWeights:
                         handles[file] = stack.enter_context(safe_open(file, framework="pt"))
                     tensor = handles[file].get_tensor(name)
                 except Exception as e:  # SafetensorError derives from Exception only
-                    raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {e}; re-download it") from e
+                    raise ModelLoadError(f"cannot read tensor {name!r} from {file}: {e}; "
+                                         "re-download it") from e
                 yield name, tensor
 
 
@@ -186,5 +190,6 @@ def _header_names(file: str) -> list[str]:
             return list(f.keys())
     except Exception as e:  # SafetensorError, OSError
         raise ModelLoadError(
-            f"{file} is not a valid safetensors file ({e}); it is truncated or corrupt, re-download it"
+            f"{file} is not a valid safetensors file ({e}); it is truncated or corrupt, "
+            "re-download it"
         ) from e

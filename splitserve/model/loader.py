@@ -87,7 +87,8 @@ def _open(resolved: str) -> Checkpoint:
         source = GGUFWeights(gguf, spec)
     missing = [name for name in hf_weight_names(spec) if name not in source.names]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(
             f"checkpoint {resolved} lacks tensors {shown}; it is incomplete or not a "
             f"{spec.architecture} checkpoint, re-download or re-convert it"
@@ -112,7 +113,8 @@ def _gguf_file(path: str) -> str:
             f"directory {path} has no config.json and {len(ggufs)} .gguf files; expected a Hugging "
             "Face checkpoint (config.json + *.safetensors + tokenizer.json) or exactly one .gguf"
         )
-    raise ModelLoadError(f"model path {path} does not exist; pass a .gguf file or a checkpoint directory")
+    raise ModelLoadError(f"model path {path} does not exist; "
+                         "pass a .gguf file or a checkpoint directory")
 
 
 def _digest(files: list[str]) -> str:
@@ -124,5 +126,6 @@ def _digest(files: list[str]) -> str:
                 while chunk := f.read(_DIGEST_CHUNK):
                     h.update(chunk)
         except OSError as e:
-            raise ModelLoadError(f"cannot read weight file {file}: {e}; check its permissions") from e
+            raise ModelLoadError(f"cannot read weight file {file}: {e}; "
+                                 "check its permissions") from e
     return h.hexdigest()

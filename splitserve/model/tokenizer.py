@@ -55,8 +55,10 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token is not None else None
-        self.eos_token_id: int | None = backend.token_to_id(eos_token) if eos_token is not None else None
+        self.bos_token_id: int | None = (
+            backend.token_to_id(bos_token) if bos_token is not None else None)
+        self.eos_token_id: int | None = (
+            backend.token_to_id(eos_token) if eos_token is not None else None)
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
 
@@ -87,7 +89,8 @@ class Tokenizer:
         bos, eos = _token_str(config.get("bos_token")), _token_str(config.get("eos_token"))
         add_bos = config.get("add_bos_token")
         if isinstance(add_bos, bool) and bos is not None and backend.token_to_id(bos) is not None:
-            adds_now = backend.encode("", add_special_tokens=True).ids[:1] == [backend.token_to_id(bos)]
+            adds_now = (backend.encode("", add_special_tokens=True).ids[:1]
+                        == [backend.token_to_id(bos)])
             if adds_now != add_bos:  # the config overrides tokenizer.json (as LlamaTokenizer does)
                 _set_bos_processor(backend, bos if add_bos else None)
         return cls(backend, bos, eos, template if isinstance(template, str) else None)
@@ -96,7 +99,8 @@ class Tokenizer:
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
         metadata = {
-            key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")
+            key: field.contents() for key, field in reader.fields.items()
+            if key.startswith("tokenizer.")
         }
         return cls.from_gguf_metadata(metadata)
 
@@ -105,7 +109,9 @@ class Tokenizer:
         """Same as `from_gguf`, from already decoded metadata (`GGUFFile.metadata`)."""
         model = metadata.get("tokenizer.ggml.model")
         if "tokenizer.ggml.tokens" not in metadata:
-            raise ModelLoadError("GGUF file has no tokenizer (tokenizer.ggml.tokens); re-convert it with one")
+            raise ModelLoadError(
+                "GGUF file has no tokenizer (tokenizer.ggml.tokens); re-convert it with one"
+            )
         if model != "gpt2":
             raise ModelLoadError(
                 f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
@@ -114,7 +120,8 @@ class Tokenizer:
         pre = str(metadata.get("tokenizer.ggml.pre", "default"))
         if pre not in _SUPPORTED_PRE:
             raise ModelLoadError(
-                f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_SUPPORTED_PRE)}); "
+                f"GGUF pre-tokenizer {pre!r} is not supported "
+                f"(supported: {', '.join(_SUPPORTED_PRE)}); "
                 "use the model's Hugging Face directory with tokenizer.json instead"
             )
         tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
@@ -124,7 +131,9 @@ class Tokenizer:
             backend = _byte_level_backend(tokens, merges, pre)
             _add_special_tokens(backend, tokens, token_types)
         except Exception as e:  # tokenizers raises plain Exception on inconsistent vocab/merges
-            raise ModelLoadError(f"GGUF tokenizer vocabulary is unusable ({e}); re-convert the model") from e
+            raise ModelLoadError(
+                f"GGUF tokenizer vocabulary is unusable ({e}); re-convert the model"
+            ) from e
 
         def token_at(key: str) -> str | None:
             idx = metadata.get(f"tokenizer.ggml.{key}")
@@ -169,12 +178,14 @@ class Tokenizer:
         """Render `messages` with the checkpoint's chat template, as transformers does."""
         if self.chat_template is None:
             raise ValueError(
-                "this model has no chat template; send a plain prompt (completions) instead of messages"
+                "this model has no chat template; send a plain prompt (completions) "
+                "instead of messages"
             )
         try:
             if self._template is None:
                 self._template = _chat_environment().from_string(self.chat_template)
-            context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra}
+            context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                       **extra}
             return self._template.render(
                 context, messages=messages, add_generation_prompt=add_generation_prompt
             )
@@ -185,14 +196,16 @@ class Tokenizer:
 # ---- helpers ------------------------------------------------------------------------------
 
 
-def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]], pre: str) -> tokenizers.Tokenizer:
+def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]],
+                        pre: str) -> tokenizers.Tokenizer:
     """A byte-level BPE tokenizer as the vocabulary's own tokenizer.json would define it."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = _bytes_to_unicode()
     vocab: dict[str, int] = {}
     for idx, tok in enumerate(tokens):
         # GGUF spells tokens in the byte-level alphabet except some added ones; respell those.
-        spelled = tok if set(tok) <= set(alphabet) else "".join(byte_to_char[b] for b in tok.encode("utf-8"))
+        spelled = (tok if set(tok) <= set(alphabet)
+                   else "".join(byte_to_char[b] for b in tok.encode("utf-8")))
         vocab.setdefault(spelled, idx)
     pairs = [(m[0], m[1]) for m in merges if len(m) == 2]
     backend = tokenizers.Tokenizer(
@@ -221,8 +234,10 @@ def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]], pre: s
     return backend
 
 
-def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]) -> None:
-    """CONTROL tokens become special added tokens, USER_DEFINED plain added ones: both stay whole."""
+def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str],
+                        token_types: list[int]) -> None:
+    """CONTROL tokens become special added tokens, USER_DEFINED plain added ones: both stay
+    whole."""
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     control = [
         AddedToken(tok, special=True, normalized=False)
@@ -255,7 +270,8 @@ def _set_bos_processor(backend: tokenizers.Tokenizer, bos: str | None) -> None:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
+                 + list(range(0xAE, 0xFF + 1)))
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -273,7 +289,8 @@ def _token_str(value: Any) -> str | None:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) as a no-op."""
+    """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) as a
+    no-op."""
 
     tags = {"generation"}
 
@@ -290,7 +307,8 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # Jinja's own tojson HTML-escapes; chat templates expect plain JSON (as in transformers).
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _chat_environment() -> ImmutableSandboxedEnvironment:

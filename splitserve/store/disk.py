@@ -96,7 +96,8 @@ class DiskTier:
         start = time.perf_counter()
         temp = self.directory / f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
-            blockfile.write_file(temp, blockfile.seal_block(self._crypto, self._fp_digest, key, view),
+            blockfile.write_file(temp,
+                                 blockfile.seal_block(self._crypto, self._fp_digest, key, view),
                                  self.fsync)
         except OSError as exc:
             logger.warning("disk tier: writing block %s failed (%s); not kept",

@@ -44,7 +44,8 @@ class Ledger(Generic[Loc]):
                  quotas: Mapping[str | None, int] | None = None) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes={block_bytes} must be positive (the bytes of one "
-                             f"engine block: layers x 2 x block_size x kv_heads x head_dim x dtype)")
+                             f"engine block: layers x 2 x block_size x kv_heads x head_dim "
+                             f"x dtype)")
         if capacity_bytes < 0:
             raise ValueError(f"{tier.value} tier capacity_bytes={capacity_bytes} must be >= 0")
         for name, quota in [("tenant_quota_bytes", tenant_quota_bytes),

@@ -6,7 +6,7 @@ A transfer is a stream of frames; each frame is a fixed 48-byte prelude and a bo
     prelude  "<4sBBHQ32s": magic b"SSKV" | kind u8 | flags u8 (0) | layer u16
                            | body_len u64 | tag: nonce || Poly1305 of the body (mac.py)
     sender -> receiver   HEADER          LAYER 0 .. LAYER n-1, TRAILER
-    receiver -> sender          REPLY(accepted | rejected | duplicate)     REPLY(committed | rejected)
+    receiver -> sender          REPLY(accepted | rejected | duplicate)  REPLY(committed | rejected)
 
 The receiver answers the header as soon as it checked it; the sender does not wait for the
 answer but picks it up between layers and stops at a refusal, so an incompatible transfer

@@ -12,15 +12,15 @@ last process that maps it. It seals each ring's size once set (F_SEAL_SHRINK | G
 SEAL), and the acceptor maps only sealed memfds of the announced, bounded size: a peer
 that could shrink a ring under the reader would crash it with SIGBUS at the next copy.
 Who may connect at all is the socket's file permissions: by default it lives in a private
-(0700) directory, so only processes of the same user reach it. Each side copies its bytes into its outgoing ring and posts
-`DATA(n)` (cumulative bytes written); the reader copies out and posts `CREDIT(n)`
-(cumulative bytes read); a writer blocks while the ring is full. Counters are cumulative,
-so messages are idempotent and need no acknowledgement. Doorbells are batched, since each
-is a system call (~8 us here) and a wake-up: DATA goes out every CHUNK bytes and at the end
-of each `send`, CREDIT every quarter ring; and both go out before a side blocks, so a
-writer waiting for space and a reader waiting for bytes can never wait on each other. The
-socket doubles as the liveness signal: a peer that dies closes it, and the other side sees
-the stream end at once.
+(0700) directory, so only processes of the same user reach it. Each side copies its bytes
+into its outgoing ring and posts `DATA(n)` (cumulative bytes written); the reader copies
+out and posts `CREDIT(n)` (cumulative bytes read); a writer blocks while the ring is full.
+Counters are cumulative, so messages are idempotent and need no acknowledgement. Doorbells
+are batched, since each is a system call (~8 us here) and a wake-up: DATA goes out every
+CHUNK bytes and at the end of each `send`, CREDIT every quarter ring; and both go out
+before a side blocks, so a writer waiting for space and a reader waiting for bytes can
+never wait on each other. The socket doubles as the liveness signal: a peer that dies
+closes it, and the other side sees the stream end at once.
 Addresses are `shm://<path of the Unix socket>`.
 
 A channel keeps its rings for life, and a sender keeps channels open between transfers
@@ -343,7 +343,8 @@ class ShmTransport(Transport):
             sock.connect(address.removeprefix("shm://"))
         except TimeoutError:
             sock.close()
-            raise TransferTimeout(f"shared-memory connect to {address} passed its deadline") from None
+            raise TransferTimeout(f"shared-memory connect to {address} "
+                                  "passed its deadline") from None
         except OSError as exc:
             sock.close()
             raise TransferRejected(f"cannot connect to the KV receiver at {address}: {exc}; "
@@ -358,7 +359,8 @@ class ShmTransport(Transport):
                                                self.reply_ring_bytes)], fds)
         except OSError as exc:
             sock.close()
-            raise TransferRejected(f"shared-memory handshake with {address} failed: {exc}") from None
+            raise TransferRejected(f"shared-memory handshake with {address} failed: "
+                                   f"{exc}") from None
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings (ours, then the acceptor's) keep the memory

@@ -157,7 +157,8 @@ class TcpTransport(Transport):
     def connect(self, address: str, deadline: float) -> Channel:
         host, port = parse_address(address)
         try:
-            sock = socket.create_connection((host, port), timeout=remaining(deadline, "TCP connect"))
+            sock = socket.create_connection((host, port),
+                                            timeout=remaining(deadline, "TCP connect"))
         except TimeoutError:
             raise TransferTimeout(f"TCP connect to {address} passed its deadline") from None
         except OSError as exc:

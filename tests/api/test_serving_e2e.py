@@ -86,10 +86,12 @@ def chat(server: Any, messages: list[dict[str, str]], stream: bool = False, **kw
     c = client(server)
     kw = {"temperature": 0, "max_tokens": MAX_TOKENS, **kw}
     if not stream:
-        r = c.chat.completions.create(model=model_name(server), messages=messages,  # type: ignore[arg-type]
+        r = c.chat.completions.create(model=model_name(server),
+                                      messages=messages,  # type: ignore[arg-type]
                                       **kw)
         return r.choices[0].message.content or ""
-    chunks = c.chat.completions.create(model=model_name(server), messages=messages,  # type: ignore[arg-type]
+    chunks = c.chat.completions.create(model=model_name(server),
+                                       messages=messages,  # type: ignore[arg-type]
                                        stream=True, **kw)
     return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
 
@@ -347,8 +349,8 @@ def test_logprobs_cover_every_token_in_both_modes(disagg: Any, agg: Any) -> None
     got = {}
     for mode, server in (("disagg", disagg), ("agg", agg)):
         r = client(server).chat.completions.create(
-            model=model_name(server), messages=CHATS["short"], temperature=0,  # type: ignore[arg-type]
-            max_tokens=8, logprobs=True, top_logprobs=2)
+            model=model_name(server), messages=CHATS["short"],  # type: ignore[arg-type]
+            temperature=0, max_tokens=8, logprobs=True, top_logprobs=2)
         content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
         assert content is not None and r.usage is not None
         assert len(content) == r.usage.completion_tokens, mode

@@ -28,7 +28,8 @@ def _prompt(seed: int) -> list[int]:
 def _tier_counter(server: Any, name: str, tier: str) -> float:
     """splitserve_kv_tier_<name>_total of `tier`, over every worker."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
-               if line.startswith(f"splitserve_kv_tier_{name}_total{{") and f'tier="{tier}"' in line)
+               if line.startswith(f"splitserve_kv_tier_{name}_total{{")
+               and f'tier="{tier}"' in line)
 
 
 def _wait_counter(server: Any, name: str, tier: str, at_least: float) -> float:
@@ -110,7 +111,8 @@ def test_blocks_come_back_from_host_then_disk_then_after_a_restart(
     assert run(a, "alice") == (cold_a, HIT_TOKENS)
     # Every block came off the disk: straight into the pool, or first into the host tier
     # by the prefetch that starts when the request arrives.
-    assert _wait_counter(server, "read_bytes", "disk", read + 9 * BLOCK_BYTES) >= read + 9 * BLOCK_BYTES
+    assert (_wait_counter(server, "read_bytes", "disk", read + 9 * BLOCK_BYTES)
+            >= read + 9 * BLOCK_BYTES)
     assert _wait_for(lambda: sum(_tier_counter(server, "hits", t) - hits[t]
                                  for t in ("host", "disk")) == 9)
 

@@ -23,7 +23,8 @@ def _admin(*worker_ids: str) -> tuple[ClusterAdmin, Link]:
                for w in worker_ids}
     link = Link()
     table: Any = SimpleNamespace(workers=workers)
-    return ClusterAdmin(table, link, metrics=None, fault_injection=False), link  # type: ignore[arg-type]
+    return ClusterAdmin(table, link, metrics=None,  # type: ignore[arg-type]
+                        fault_injection=False), link
 
 
 def test_concurrent_checks_share_one_round_and_all_get_every_answer() -> None:

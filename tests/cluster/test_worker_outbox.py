@@ -37,8 +37,9 @@ def test_a_turns_outputs_go_in_one_frame_before_the_next_message() -> None:
     w._send(P.PrefillDone("a", handed_off=True))
     w.outbox.append(out("a", 1))
     w._flush_outputs()
-    assert w.member.sent == [P.OutputBatch([out("a"), out("b"), out("c")]),  # type: ignore[attr-defined]
-                             P.PrefillDone("a", handed_off=True), out("a", 1)]
+    assert w.member.sent == [  # type: ignore[attr-defined]
+        P.OutputBatch([out("a"), out("b"), out("c")]),
+        P.PrefillDone("a", handed_off=True), out("a", 1)]
     w._flush_outputs()  # nothing left: nothing sent
     assert len(w.member.sent) == 3  # type: ignore[attr-defined]
 

@@ -41,7 +41,8 @@ def test_a_rejoining_worker_resends_each_tier_whole(tmp_path: Path) -> None:
     key = new_master_key()
     config = StoreConfig(host_bytes=4 * BB, disk_dir=str(tmp_path / "both-0"),
                          disk_bytes=8 * BB, disk_admission="all")
-    store = _build(config, SimpleNamespace(tier_block_bytes=BB, fingerprint="fp"), key)  # type: ignore[arg-type]
+    store = _build(config, SimpleNamespace(  # type: ignore[arg-type]
+        tier_block_bytes=BB, fingerprint="fp"), key)
     assert store is not None and store.disk is not None
     engine = SimpleNamespace(block_size=16, attach_tiers=lambda tiers: SimpleNamespace(
         detach=lambda: None))

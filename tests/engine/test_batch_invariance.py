@@ -1,8 +1,9 @@
 """Batch invariance in the default dtype (bf16, exact kernels): a request's tokens, logits
 (every row any engine samples from, and the log-probabilities, bit for bit) and KV are
-those of the request run alone, whatever shares its steps: other requests, prompt chunks of any size, prefix hits,
-decodes next to prefills. And a sequence prefilled from its prompt plus k generated tokens
-(what a migration or a retry does) continues exactly as the uninterrupted one.
+those of the request run alone, whatever shares its steps: other requests, prompt chunks
+of any size, prefix hits, decodes next to prefills. And a sequence prefilled from its
+prompt plus k generated tokens (what a migration or a retry does) continues exactly as the
+uninterrupted one.
 
 These rest on the exact kernels' contract (tests/model/test_exact_kernels.py), not on any
 particular oneDNN kernel, so they must hold on every x86 CPU and ISA level.
@@ -149,7 +150,8 @@ def _check_batch(engines: Engines, batch: list[Any], prefix: list[int], chunk: i
     llm.engine.check_invariants()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
        chunk=st.sampled_from(CHUNKS))
 def test_any_batch_gives_each_request_its_bits_alone_tiny(tiny_engines: Engines, batch: Any,
@@ -157,7 +159,8 @@ def test_any_batch_gives_each_request_its_bits_alone_tiny(tiny_engines: Engines,
     _check_batch(tiny_engines, batch, prefix, chunk)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
        chunk=st.sampled_from(CHUNKS))
 def test_any_batch_gives_each_request_its_bits_alone_int8(tiny_int8_engines: Engines,
@@ -166,7 +169,8 @@ def test_any_batch_gives_each_request_its_bits_alone_int8(tiny_int8_engines: Eng
     _check_batch(tiny_int8_engines, batch, prefix, chunk)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=requests, prefix=st.lists(st.integers(100, 40000), min_size=16, max_size=40),
        chunk=st.sampled_from(CHUNKS))
 def test_any_batch_gives_each_request_its_bits_alone_default_model(

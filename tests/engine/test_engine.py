@@ -106,7 +106,8 @@ def test_preemption_actually_happens(make_llm) -> None:
     preempted = 0
     while engine.has_unfinished:
         engine.step()
-        preempted = max(preempted, sum(r.num_preemptions for r in engine.scheduler.requests.values()))
+        preempted = max(preempted,
+                        sum(r.num_preemptions for r in engine.scheduler.requests.values()))
     assert preempted > 0
 
 

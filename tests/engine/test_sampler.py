@@ -149,7 +149,8 @@ def test_position_seed_fits_int64_and_differs() -> None:
     ({"max_tokens": 0}, "max_tokens"), ({"min_p": 1.5}, "min_p"), ({"n": 2}, "n"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"logprobs": 21}, "logprobs"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ])
 def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as err:

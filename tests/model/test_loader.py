@@ -31,7 +31,8 @@ def test_gguf_spec_of_smollm2(smollm2: Checkpoint) -> None:
     spec = smollm2.spec
     assert (spec.architecture, spec.num_layers, spec.hidden_size) == ("llama", 30, 576)
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (9, 3, 64)
-    assert (spec.intermediate_size, spec.vocab_size, spec.max_position_embeddings) == (1536, 49152, 8192)
+    assert ((spec.intermediate_size, spec.vocab_size, spec.max_position_embeddings)
+            == (1536, 49152, 8192))
     assert spec.rope_theta == 1e5
     assert spec.rope_scaling is None
     assert spec.tie_word_embeddings and not spec.attention_bias
@@ -40,7 +41,8 @@ def test_gguf_spec_of_smollm2(smollm2: Checkpoint) -> None:
 
 
 def test_gguf_weights_equal_hf_reference(smollm2: Checkpoint, hf_reference_smollm2: Any) -> None:
-    """Exact match with transformers' dequantization proves the names, shapes and Q/K un-permutation."""
+    """Exact match with transformers' dequantization proves the names, shapes and Q/K
+    un-permutation."""
     reference = hf_reference_smollm2.state_dict()
     seen = []
     for name, tensor in smollm2.iter_weights():
@@ -60,7 +62,8 @@ def _state_dict(path: str) -> dict[str, torch.Tensor]:
 def test_tiny_llama_dir(tiny_llama_dir: str) -> None:
     ckpt = open_checkpoint(tiny_llama_dir)
     spec = ckpt.spec
-    assert (spec.architecture, spec.num_layers, spec.hidden_size, spec.intermediate_size) == ("llama", 2, 64, 128)
+    assert ((spec.architecture, spec.num_layers, spec.hidden_size, spec.intermediate_size)
+            == ("llama", 2, 64, 128))
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (4, 2, 16, 49152)
     assert (spec.rope_theta, spec.max_position_embeddings) == (10000.0, 512)
     assert not spec.tie_word_embeddings and not spec.attention_bias and spec.rope_scaling is None
@@ -76,7 +79,8 @@ def test_tiny_llama_dir(tiny_llama_dir: str) -> None:
 def test_tiny_qwen2_dir(tiny_qwen2_dir: str) -> None:
     ckpt = open_checkpoint(tiny_qwen2_dir)
     spec = ckpt.spec
-    assert (spec.architecture, spec.attention_bias, spec.tie_word_embeddings) == ("qwen2", True, True)
+    assert ((spec.architecture, spec.attention_bias, spec.tie_word_embeddings)
+            == ("qwen2", True, True))
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope_theta) == (4, 2, 16, 1e6)
     stored = _state_dict(tiny_qwen2_dir)
     weights = dict(ckpt.iter_weights())
@@ -91,7 +95,8 @@ def test_tiny_qwen2_dir(tiny_qwen2_dir: str) -> None:
 def test_sharded_dir_loads_the_same(tiny_llama_dir: str, tmp_path: Path) -> None:
     stored = _state_dict(tiny_llama_dir)
     names = sorted(stored)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
     for shard, shard_names in shards.items():
         save_file({n: stored[n] for n in shard_names}, str(tmp_path / shard))
@@ -106,7 +111,8 @@ def test_sharded_dir_loads_the_same(tiny_llama_dir: str, tmp_path: Path) -> None
 
 def test_weights_digest(smollm2: Checkpoint, default_model_path: str, tiny_llama_dir: str,
                         tiny_qwen2_dir: str) -> None:
-    digests = [open_checkpoint(p).weights_digest for p in (default_model_path, tiny_llama_dir, tiny_qwen2_dir)]
+    digests = [open_checkpoint(p).weights_digest
+               for p in (default_model_path, tiny_llama_dir, tiny_qwen2_dir)]
     assert digests[0] == smollm2.weights_digest
     assert len(smollm2.weights_digest) == 32 and int(smollm2.weights_digest, 16) >= 0
     assert len(set(digests)) == 3
@@ -184,7 +190,8 @@ def test_missing_tensor(tiny_llama_dir: str, tmp_path: Path) -> None:
     stored = _state_dict(tiny_llama_dir)
     del stored["model.layers.1.mlp.up_proj.weight"]
     save_file(stored, str(ckpt_dir / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="lacks tensors model.layers.1.mlp.up_proj.weight") as info:
+    with pytest.raises(ModelLoadError,
+                       match="lacks tensors model.layers.1.mlp.up_proj.weight") as info:
         open_checkpoint(str(ckpt_dir))
     assert str(ckpt_dir) in str(info.value)
 
@@ -228,7 +235,8 @@ def test_transformers4_style_config(tiny_llama_dir: str, tmp_path: Path) -> None
         "rope_parameters": ..., "rope_theta": 500000.0, "head_dim": ..., "num_key_value_heads": ...,
         "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [7, 8],
     })
-    assert spec.rope_theta == 500000.0 and spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (spec.rope_theta == 500000.0
+            and spec.rope_scaling == {"rope_type": "linear", "factor": 2.0})
     assert (spec.head_dim, spec.num_kv_heads, spec.eos_token_ids) == (16, 4, (7, 8))
 
 
@@ -239,7 +247,8 @@ def test_mistral_config_and_generation_eos(tiny_llama_dir: str, tmp_path: Path) 
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
         generation={"eos_token_id": [2, 5], "bos_token_id": 1},
     )
-    assert spec.architecture == "llama" and spec.max_position_embeddings == 256  # clamped to the window
+    assert (spec.architecture == "llama"
+            and spec.max_position_embeddings == 256)  # clamped to the window
     assert spec.rope_theta == 1e6 and spec.rope_scaling == {"rope_type": "yarn", "factor": 4.0}
     assert (spec.eos_token_ids, spec.bos_token_id) == ((2, 5), 1)
 
@@ -278,14 +287,16 @@ def test_gguf_file_reads_like_gguf_reader(tmp_path: Path) -> None:
     writer.add_tensor("a.weight", arrays["a.weight"])
     writer.add_tensor("b.weight", arrays["a.weight"].astype(np.float16))
     for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1):
-        writer.add_tensor(f"{qtype.name}.weight", quantize(arrays["a.weight"], qtype), raw_dtype=qtype)
+        writer.add_tensor(f"{qtype.name}.weight", quantize(arrays["a.weight"], qtype),
+                          raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
     ours = GGUFFile.open(str(path))
-    assert ours.metadata["toy.count"] == 7 and ours.metadata["toy.eps"] == 0.5 and ours.metadata["toy.flag"]
+    assert (ours.metadata["toy.count"] == 7 and ours.metadata["toy.eps"] == 0.5
+            and ours.metadata["toy.flag"])
     assert ours.metadata["toy.ints"] == [1, -2, 3] and ours.metadata["toy.strs"] == ["x", "ÿ"]
     reader = gguf.GGUFReader(str(path))
     assert len(reader.tensors) == len(ours.tensors) == 4

@@ -67,7 +67,8 @@ def test_special_tokens(ours: Tokenizer) -> None:
 def test_encode_matches_transformers(ours: Tokenizer, reference: Any, text: str) -> None:
     ids = ours.encode(text)
     assert ids == reference.encode(text)
-    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+    assert (ours.encode(text, add_special_tokens=False)
+            == reference.encode(text, add_special_tokens=False))
     assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
     assert ours.decode(ids, skip_special_tokens=False) == text
 
@@ -98,7 +99,8 @@ def _write_toy_gguf(path: Path) -> None:
     """A small byte-level vocabulary: 256 bytes, four merges, control and user-defined tokens."""
     from tokenizers.pre_tokenizers import ByteLevel
 
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"] + sorted(ByteLevel.alphabet())
+    tokens = (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+              + sorted(ByteLevel.alphabet()))
     tokens += ["Ġt", "he", "Ġthe", "in"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
@@ -124,7 +126,8 @@ def test_from_gguf_reader_matches_fast_reader(tmp_path: Path) -> None:
     text = "<|im_start|>the thin <think>12 ünï 😀<|im_end|>"
     ids = via_reader.encode(text)
     assert ids == fast.encode(text)
-    assert ids[:3] == [1, 1, via_reader.encode("the", add_special_tokens=False)[0]]  # BOS, then the text
+    # BOS, then the text
+    assert ids[:3] == [1, 1, via_reader.encode("the", add_special_tokens=False)[0]]
     # "Ġthe", "Ġt", "h", "in": merges applied in rank order
     assert via_reader.encode(" the thin", add_special_tokens=False) == [262, 260, 75, 263]
     assert via_reader.decode(ids) == "the thin <think>12 ünï 😀"
@@ -156,7 +159,8 @@ def test_add_bos_token_from_config(ours: Tokenizer, tmp_path: Path) -> None:
 
 
 def test_gguf_add_bos_token(default_model_path: str) -> None:
-    metadata = dict(GGUFFile.open(default_model_path).metadata, **{"tokenizer.ggml.add_bos_token": True})
+    metadata = dict(GGUFFile.open(default_model_path).metadata,
+                    **{"tokenizer.ggml.add_bos_token": True})
     tok = Tokenizer.from_gguf_metadata(metadata)
     assert tok.encode("hi")[0] == 1 and tok.encode("hi", add_special_tokens=False)[0] != 1
 
@@ -180,15 +184,18 @@ def test_template_errors_become_value_errors(ours: Tokenizer, tmp_path: Path) ->
     config["chat_template"] = "{{ raise_exception('only user turns, please') }}"
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="only user turns, please"):
-        Tokenizer.from_hf_dir(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+        Tokenizer.from_hf_dir(str(tmp_path)).apply_chat_template(
+            [{"role": "user", "content": "hi"}])
     config["chat_template"] = "{% for m in messages %}{{ m.content"  # syntax error
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="chat template"):
-        Tokenizer.from_hf_dir(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+        Tokenizer.from_hf_dir(str(tmp_path)).apply_chat_template(
+            [{"role": "user", "content": "hi"}])
 
 
 def test_template_features(ours: Tokenizer, tmp_path: Path) -> None:
-    """tojson without HTML escaping, loop controls, extra variables and bos/eos, as in transformers."""
+    """tojson without HTML escaping, loop controls, extra variables and bos/eos, as in
+    transformers."""
     ours.save(str(tmp_path))
     config_file = tmp_path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
@@ -199,7 +206,8 @@ def test_template_features(ours: Tokenizer, tmp_path: Path) -> None:
     config_file.write_text(json.dumps(config))
     tok = Tokenizer.from_hf_dir(str(tmp_path))
     text = tok.apply_chat_template(
-        [{"role": "user", "content": "<a & b>"}, {"role": "user", "content": "x"}], tools=[{"n": "é"}]
+        [{"role": "user", "content": "<a & b>"}, {"role": "user", "content": "x"}],
+        tools=[{"n": "é"}]
     )
     assert text == '<|im_start|>{"role": "user", "content": "<a & b>"}[{"n": "é"}]<|im_end|>'
 

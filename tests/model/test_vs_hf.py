@@ -4,7 +4,8 @@ and the default bf16 engine (exact kernels) as close to the fp32 reference as HF
 Greedy decoding meets near-ties (top-2 margin < 0.01) on some prompts; two correct fp32
 implementations may diverge there. Each comparison therefore runs up to and including the
 reference's first near-tie position (margin 0.01 for the real model; 1e-4 for the
-tiny random ones, whose logits are small and flat), and the test requires that most tokens were compared.
+tiny random ones, whose logits are small and flat), and the test requires that most tokens
+were compared.
 """
 from __future__ import annotations
 

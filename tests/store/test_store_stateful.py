@@ -76,7 +76,8 @@ class TierMachine(RuleBasedStateMachine):
     def apply_put(self, key: BlockKey, data: bytes, result: object) -> None:
         outcome, reason, evicted = self.expected_put(key)
         assert (result.outcome, result.reason) == (outcome, reason)  # type: ignore[attr-defined]
-        assert [norm(k) for k in result.evicted] == [norm(k) for k in evicted]  # type: ignore[attr-defined]
+        assert ([norm(k) for k in result.evicted]  # type: ignore[attr-defined]
+                == [norm(k) for k in evicted])
         entry_id = (key.tenant_id, key.block_hash)
         for victim in evicted:
             del self.model[(victim.tenant_id, victim.block_hash)]
@@ -166,8 +167,8 @@ class DiskMachine(TierMachine):
 
     @rule(tenant=TENANTS, i=HASHES, parent=st.none() | HASHES, data=PAYLOADS,
           reused=st.booleans())
-    def put(self, tenant: str | None, i: int, parent: int | None, data: bytes,  # type: ignore[override]
-            reused: bool) -> None:
+    def put(self, tenant: str | None, i: int, parent: int | None,  # type: ignore[override]
+            data: bytes, reused: bool) -> None:
         key = BlockKey(h(i), None if parent is None else h(parent), tenant)
         result = self.tier.put(key, data, reused=reused)
         if not reused and (key.tenant_id, key.block_hash) not in self.model:

@@ -46,7 +46,9 @@ else:
     chan = ShmTransport().connect(address, time.monotonic() + 30)
     send = lambda b: chan.send([b], time.monotonic() + 30)
     def recv(n):
-        buf = bytearray(n); chan.recv_into(memoryview(buf), time.monotonic() + 30); return bytes(buf)
+        buf = bytearray(n)
+        chan.recv_into(memoryview(buf), time.monotonic() + 30)
+        return bytes(buf)
 send(data[:header_len])
 size = int.from_bytes(recv(48)[8:16], "little")  # the 48-byte prelude's body_len
 recv(size)  # the ACCEPTED reply

@@ -48,7 +48,8 @@ def test_handoff_continues_identically(make_pair: Callable[..., Pair], reference
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefix_hit_on_receiver_transfers_only_the_rest(make_pair: Callable[..., Pair],
-                                                        reference: Callable, transport: str) -> None:
+                                                        reference: Callable,
+                                                        transport: str) -> None:
     pair = make_pair(transport)
     shared = list(range(3000, 3040))
     pair.b.generate(shared, SamplingParams(max_tokens=2))  # B caches 2 full blocks of `shared`

@@ -9,10 +9,10 @@ drives them through the workers and merges their outputs into one stream per req
     D: tokens 2.. +--> StreamMerger --> StreamDelta --> the HTTP layer
 
 One ZeroMQ ROUTER socket talks to every worker (link.py, protocol.py); who is in the
-cluster is workers.py; what each worker message does is worker_messages.py. A reaper task enforces the request deadline and the per-stage
-timeouts (queue, prefill, handoff, decode step) and notices silent workers; nothing waits
-without a limit. Everything runs in the frontend's asyncio loop; the router is plain
-logic called from that loop only.
+cluster is workers.py; what each worker message does is worker_messages.py. A reaper task
+enforces the request deadline and the per-stage timeouts (queue, prefill, handoff, decode
+step) and notices silent workers; nothing waits without a limit. Everything runs in the
+frontend's asyncio loop; the router is plain logic called from that loop only.
 
 Failures (DESIGN 7): a worker that dies or goes silent, a prefill that errors, a KV
 transfer that fails (under `--kv-failure-policy retry`) or a stalled stage fails the

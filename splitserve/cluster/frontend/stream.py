@@ -6,8 +6,9 @@ samples the first token, the decode worker commits the imported KV with that tok
 samples the rest (after a failure, a third worker may replay). Every worker `Output`
 (protocol.py) says where it starts (`token_offset`, `text_offset`, counted from the
 request's first output token), so the merger keeps exactly one copy of each position:
-nothing lost, nothing duplicated, whichever worker sent it. Output text is a pure function of the output token
-ids (and the stop strings), so text from different workers joins up exactly.
+nothing lost, nothing duplicated, whichever worker sent it. Output text is a pure function
+of the output token ids (and the stop strings), so text from different workers joins up
+exactly.
 """
 from __future__ import annotations
 

@@ -185,7 +185,8 @@ class RayRuntime(Runtime):
     def start_worker(self, spec: WorkerSpec, secret: WorkerSecret) -> WorkerHandle:
         actor = _RemoteWorker.options(**self._options(spec)).remote(  # type: ignore[attr-defined]
             spec.to_json(), secret.to_bytes())
-        self._actors[spec.identity] = _Actor(actor, actor.run.remote())  # type: ignore[attr-defined]
+        self._actors[spec.identity] = _Actor(
+            actor, actor.run.remote())  # type: ignore[attr-defined]
         logger.info("started %s as a Ray actor (%s)", spec.worker_id, self._resources(spec))
         return WorkerHandle(spec)
 

@@ -121,8 +121,8 @@ class RequestHandling:
     def _add(self, rid: str, prompt: list[int], params: object, namespace: str | None,
              **kwargs: Any) -> bool:
         try:
-            req = self.engine.add_request(rid, prompt, params, namespace=namespace,  # type: ignore[arg-type]
-                                          **kwargs)
+            req = self.engine.add_request(rid, prompt, params,  # type: ignore[arg-type]
+                                          namespace=namespace, **kwargs)
         except InvalidRequestError as exc:
             self._fail(rid, FailureKind.INVALID_REQUEST, str(exc), exc.field)
             return False

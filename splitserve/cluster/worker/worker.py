@@ -5,10 +5,11 @@
 The main thread is the engine thread. Each turn of its loop: take every pending message
 (waiting only when there is nothing to compute), run one engine step, move KV (sender
 and receiver polls), send outputs (the turn's in one OutputBatch), KV events and,
-periodically, a load report that is also the heartbeat. Roles: `prefill` prefills and streams KV out, `decode` imports KV and
-decodes, `both` (aggregated) does everything locally; every role can prefill locally,
-and every role can hand a decoding request over with its KV (Migrate: live migration).
-What each request message does, and the KV and outputs it moves, is in requests.py.
+periodically, a load report that is also the heartbeat. Roles: `prefill` prefills and
+streams KV out, `decode` imports KV and decodes, `both` (aggregated) does everything
+locally; every role can prefill locally, and every role can hand a decoding request over
+with its KV (Migrate: live migration). What each request message does, and the KV and
+outputs it moves, is in requests.py.
 """
 from __future__ import annotations
 
