@@ -163,9 +163,10 @@ def test_a_one_call_step_refuses_ids_positions_and_rows_out_of_range() -> None:
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_a_decode_step_gives_the_eager_bits_at_any_thread_count(
         quantization: str | None) -> None:
-    """With fewer tokens than threads the team splits each row-wise op by columns (norms:
-    every thread sums the whole row) and SiLU * up computes its formula, not the table:
-    one and two tokens at 1, 2 and 3 threads, on every ISA, give the eager ops' bits."""
+    """With fewer tokens than threads every thread of the team runs the norms and SiLU * up
+    in full into buffers of its own (the linears after them read each thread's copy), the
+    rotary is split by heads, and SiLU * up computes its formula, not the table: one and
+    two tokens at 1, 2 and 3 threads, on every ISA, give the eager ops' bits."""
     model = _model(True, quantization)
     ops = kernels.load()
     before_isa, before_threads = ops.get_isa(), torch.get_num_threads()

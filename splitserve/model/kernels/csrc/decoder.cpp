@@ -205,6 +205,11 @@ class ExactDecoder {
     int64_t total = 0;
     for (int64_t n : sizes) total += T * n;
     at::Tensor out_x = at::empty({T, H}, x.options()), out_res = at::empty({T, H}, x.options());
+    // With fewer rows than threads (a decode step on a team), each thread runs the row-wise
+    // ops in full into buffers of its own (below): its h, two residual sums and act.
+    const int64_t own_size = T * (3 * H + I);
+    const int64_t pool_threads = get_isa() >= 3 ? 1 : at::get_num_threads();
+    if (T < pool_threads) total += pool_threads * own_size;
     std::lock_guard<std::mutex> hold(workspace_mutex_);  // one caller at a time uses it
     if (workspace_.numel() < total) workspace_ = at::empty({total}, x.options());
     bf16_t* p = data(workspace_);
@@ -216,7 +221,8 @@ class ExactDecoder {
     bf16_t* const attn = p;       p += T * qd;
     bf16_t* const o = p;          p += T * H;
     bf16_t* const gate_up = p;    p += T * 2 * I;
-    bf16_t* const act = p;
+    bf16_t* const act = p;        p += T * I;
+    bf16_t* const owned = p;      // pool_threads x own_size, when T < pool_threads
     bf16_t* const res_b = data(out_res);  // the last layer's post-attention sum lands here
 
     bf16_t* const kv0 = data(kv_cache) + begin * layout.numel();
@@ -226,46 +232,65 @@ class ExactDecoder {
     const int64_t D = head_dim_;
     // Every thread of the team runs this (each with its own loop state); the row-wise ops
     // split the rows, the others share their tasks out (parallel_tasks), and each op ends
-    // at the team's barrier. AMX runs each op in a region of its own (its attention packs
-    // V into the caller's buffer; the team is not measured there yet).
+    // at the team's barrier. With fewer rows than threads (a decode step) each thread runs
+    // the norms and SiLU in full, into buffers of its own, and goes straight on to the
+    // linear after them, which reads its own copy (the same bits whichever thread computes
+    // a task): three barriers a layer fewer, where the other thread's split of those small
+    // ops saved less than its wait (~1.5% of a batch-1 step at a fast DRAM moment,
+    // docs/benchmarks.md 11-30 09:xx). AMX runs each op in a region of its own (its
+    // attention packs V into the caller's buffer; the team is not measured there yet).
     auto stack = [&] {
       const exact::TeamView team;
+      const bool own = team.team && T < team.team->threads();
+      const int64_t me = exact::Team::me();
       // this thread's part of each row-wise op: 16-column groups, rotary units (heads, V)
-      const auto n = team.part(T, H / 16), r = team.part(T, heads_ + kv_heads_ + 1),
-                 s = team.part(T, I / 16);
+      const exact::TeamView::Part all_h{0, T, 0, H / 16}, all_i{0, T, 0, I / 16};
+      const auto n = own ? all_h : team.part(T, H / 16), s = own ? all_i : team.part(T, I / 16),
+                 r = team.part(T, heads_ + kv_heads_ + 1);
       const int64_t nm = n.r1 - n.r0, rm = r.r1 - r.r0;
+      // Where this thread's row-wise ops write: its own buffers when `own` (thread 0's
+      // residual sums are the shared ones: res_b is what forward returns).
+      bf16_t* const mine = own ? owned + me * own_size : nullptr;
+      bf16_t* const h1_ = own ? mine : h;
+      bf16_t* const h2_ = own ? mine : h2;
+      bf16_t* const act_ = own ? mine + 3 * T * H : act;
+      bf16_t* const sum_a = own && me > 0 ? mine + T * H : res_a;
+      bf16_t* const sum_b = own && me > 0 ? mine + 2 * T * H : res_b;
+      const auto row_op_done = [&] {
+        if (!own) team.barrier();
+      };
       bf16_t* kv = kv0;
       const bf16_t* in = x0;
       const bf16_t* res_in = res0;
       for (int64_t i = begin; i < end; ++i, kv += layout.numel()) {
         const Layer& l = layers_[i];
-        // Residual sums: res_a after attention's input norm, res_b after the MLP's (which
+        // Residual sums: sum_a after attention's input norm, sum_b after the MLP's (res_b
         // is out_res: the last layer's is what forward returns).
-        bf16_t* const sum1 = res_in ? res_a : nullptr;
+        bf16_t* const sum1 = res_in ? sum_a : nullptr;
         exact::rms_norm_into(in + n.r0 * H, res_in ? res_in + n.r0 * H : nullptr,
                              cdata(l.input_norm), nm, H, eps_,
-                             sum1 ? sum1 + n.r0 * H : nullptr, h + n.r0 * H, n.u0 * 16,
+                             sum1 ? sum1 + n.r0 * H : nullptr, h1_ + n.r0 * H, n.u0 * 16,
                              n.u1 * 16);
-        team.barrier();
-        exact::linear_into(h, T, l.qkv.w, qkv);
+        row_op_done();
+        exact::linear_into(h1_, T, l.qkv.w, qkv);
         exact::rope_write_kv_into(qkv + r.r0 * qkv_out_, cos_p + r.r0 * D, sin_p + r.r0 * D,
                                   rm, heads_, kv, layout, slots + r.r0, q + r.r0 * qd, r.u0,
                                   r.u1);
         team.barrier();
         exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn);
         exact::linear_into(attn, T, l.o.w, o);
-        const bf16_t* stream = res_in ? res_a : in;  // the residual stream after attention
+        const bf16_t* stream = res_in ? sum_a : in;  // the residual stream after attention
         exact::rms_norm_into(o + n.r0 * H, stream + n.r0 * H, cdata(l.post_norm), nm, H, eps_,
-                             res_b + n.r0 * H, h2 + n.r0 * H, n.u0 * 16, n.u1 * 16);
-        team.barrier();
-        exact::linear_into(h2, T, l.gate_up.w, gate_up);
-        exact::silu_mul_into(gate_up + s.r0 * 2 * I, s.r1 - s.r0, I, act + s.r0 * I,
+                             sum_b + n.r0 * H, h2_ + n.r0 * H, n.u0 * 16, n.u1 * 16);
+        row_op_done();
+        exact::linear_into(h2_, T, l.gate_up.w, gate_up);
+        exact::silu_mul_into(gate_up + s.r0 * 2 * I, s.r1 - s.r0, I, act_ + s.r0 * I,
                              s.u0 * 16, s.u1 * 16);
-        team.barrier();
+        row_op_done();
         bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
-        exact::linear_into(act, T, l.down.w, y);
+        exact::linear_into(act_, T, l.down.w, y);
         in = y;
-        res_in = res_b;
+        res_in = sum_b;
       }
     };
     if (get_isa() >= 3) stack();

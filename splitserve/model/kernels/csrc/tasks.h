@@ -139,6 +139,7 @@ class Team {
   }
 
   static Team* current() { return current_; }
+  static int64_t me() { return me_; }  // the calling thread's index in its team
   int64_t threads() const { return threads_; }
 
   // Every thread of the team comes here before any goes on.
