@@ -9,8 +9,7 @@ import torch
 
 from splitserve.engine.batch import RunnerOutput, ScheduledBatch, ScheduledSeq
 from splitserve.engine.sampler import sample
-from splitserve.model.attention import (AttentionMetadata, ExactBatch, PrefillSlice,
-                                        forward_context)
+from splitserve.model.attention import AttentionMetadata, ExactBatch, PrefillSlice
 from splitserve.model.llama import LlamaForCausalLM
 
 
@@ -40,8 +39,7 @@ class ModelRunner:
                 ends.append(offset - 1)
         # not a decode-only step: the sampled positions alone
         rows = self._ints(ends, np.int64) if len(ends) < offset else None
-        with forward_context(meta):
-            logits, first_max = self.model.sampled_logits(input_ids, positions, rows)
+        logits, first_max = self.model.sampled_logits(input_ids, positions, rows, meta)
         result = RunnerOutput(num_computed_tokens=offset)
         if sampled_seqs:
             tokens = sample(logits, [s.sample for s in sampled_seqs],  # type: ignore[misc]

@@ -13,7 +13,8 @@ from torch import nn
 
 from splitserve.errors import ModelLoadError
 from splitserve.model import kernels
-from splitserve.model.attention import AttentionMetadata, get_forward_context, paged_attention
+from splitserve.model.attention import (AttentionMetadata, forward_context, get_forward_context,
+                                        paged_attention)
 from splitserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from splitserve.model.spec import ModelSpec
 
@@ -146,15 +147,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def sampled_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       rows: torch.Tensor | None) -> tuple[torch.Tensor, list[int] | None]:
-        """A step: fp32 logits [n, vocab] of the flat batch's `rows` (every row when None),
-        as compute_logits(forward(...)[rows]), and each row's first maximum when the step
-        found it on the way (else None: the sampler takes it); needs a forward_context. On
-        the exact path without a layer hook, one C++ call from token ids to logits and
-        their maxima: after the layers have streamed every weight through the caches, each
-        torch op made from Python costs ~20-50 us (~5 warm), and a decode step made ~10 of
-        them (numpy's argmax over the cold logits ~75)."""
-        meta = get_forward_context()
+                       rows: torch.Tensor | None, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, list[int] | None]:
+        """A step over `meta`'s batch: fp32 logits [n, vocab] of the flat batch's `rows`
+        (every row when None), as compute_logits(forward(...)[rows]) in forward_context(meta),
+        and each row's first maximum when the step found it on the way (else None: the
+        sampler takes it). On the exact path without a layer hook, one C++ call from token
+        ids to logits and their maxima, and no forward context (entering and leaving one
+        cost ~20 us of the cold Python between steps): after the layers have streamed every
+        weight through the caches, each torch op made from Python costs ~20-50 us (~5
+        warm), and a decode step made ~10 of them (numpy's argmax over the cold logits
+        ~75)."""
         decoder = self.model.exact_decoder
         if decoder is not None and meta.on_layer_end is None:
             e = meta.exact
@@ -163,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
                 input_ids, positions, meta.kv_cache, meta.slot_mapping, e.block_tables,
                 e.token_seq, e.context_lens, rows)
             return logits, first.tolist()
-        hidden = self(input_ids, positions)
+        with forward_context(meta):
+            hidden = self(input_ids, positions)
         if rows is not None:
             hidden = hidden[rows]
         if not len(hidden):

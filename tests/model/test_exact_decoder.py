@@ -134,8 +134,8 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
                 for hook in (None, []):
                     meta.kv_cache.copy_(kv0)
                     meta.on_layer_end = None if hook is None else hook.append
-                    with forward_context(meta), torch.inference_mode():
-                        got, first_max = model.sampled_logits(ids, positions, rows)
+                    with torch.inference_mode():
+                        got, first_max = model.sampled_logits(ids, positions, rows, meta)
                     # the one call finds each row's argmax on the way; the module path not
                     assert first_max == (want.argmax(-1).tolist() if hook is None else None)
                     assert got.dtype == torch.float32
@@ -155,9 +155,9 @@ def test_a_one_call_step_refuses_ids_positions_and_rows_out_of_range() -> None:
            (ids, positions, torch.tensor([22]), "row 22 out of range"),
            (ids.int(), positions, None, "must be int64")]
     for i, p, rows, message in bad:
-        with forward_context(meta), torch.inference_mode():
+        with torch.inference_mode():
             with pytest.raises(RuntimeError, match=message):
-                model.sampled_logits(i, p, rows)
+                model.sampled_logits(i, p, rows, meta)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
