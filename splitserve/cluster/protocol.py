@@ -289,6 +289,10 @@ class LoadReport:
     kv_listener: KVListenerStats | None = None  # workers that receive KV
     tiers: list[TierUsage] = field(default_factory=list)  # the store below its pool
     num_prefilling: int = 0  # running with their prompt not all computed (chunked prefill)
+    # The requests (Generate, Prefill, ExportPrefix) that arrived since the previous report:
+    # this report counts them. One dispatched after it was taken is not in it, and the
+    # router keeps counting that one itself (router/load.py).
+    received: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -176,6 +176,22 @@ def test_a_request_stops_counting_when_its_worker_sends_its_last_output() -> Non
     assert local(router.route(request(160, seed=1)))[0] == "a"
 
 
+def test_a_report_taken_before_a_request_arrived_does_not_absorb_it() -> None:
+    """r0 goes to a; a's next report was taken before r0 reached it (it does not name r0,
+    and counts nothing running): a still counts r0 until a report names it. A report
+    that absorbed every pending share made a look idle here, and the next request went
+    to a beside r0 instead of to b (the routing e2e test's occasional failure)."""
+    router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load(running=1, used=5)))
+    r0 = request(160, rid="r0")
+    assert dispatch(router, r0).decode_worker == "a"
+    router.update_load("a", load(), received=[])  # in flight when r0 was dispatched
+    assert local(router.route(request(160, seed=1)))[0] == "b"
+    router.update_load("a", load(running=1, used=10), received=["r0"])
+    assert local(router.route(request(160, seed=1)))[0] == "b"  # the report counts it now
+    router.on_worker_done("a", "r0")
+    assert local(router.route(request(160, seed=1)))[0] == "a"
+
+
 def test_done_before_any_report_takes_the_share_back() -> None:
     router = make(("a", Role.BOTH, load()), ("b", Role.BOTH, load()))
     assert dispatch(router, request(160, rid="r0")).decode_worker == "a"

@@ -70,3 +70,18 @@ def test_a_change_or_a_step_is_reported_at_the_next_interval(clock: list[float])
     sent = _due_reports(reports, engine, clock, 0.5)
     # the steps were sent once; the next report carries none, then repeats are held back
     assert [len(r.steps) for r in sent] == [0]
+
+
+def test_a_report_names_the_requests_received_since_the_last_one(clock: list[float]) -> None:
+    """The router keeps counting a request it dispatched until a report names it
+    (router/load.py): each id goes out in exactly one report, the first after it came."""
+    engine, reports = _Engine(), Reports(interval_s=0.1, heartbeat_s=1.0)
+    _due_reports(reports, engine, clock, 1.5)  # idle: the repeats are held back
+    reports.request_received("r0")
+    reports.request_received("r1")
+    sent = _due_reports(reports, engine, clock, 0.15)
+    assert [r.received for r in sent] == [["r0", "r1"]]  # at once, though nothing else changed
+    reports.request_received("r2")
+    engine.running = 1
+    sent = _due_reports(reports, engine, clock, 0.5)
+    assert [r.received for r in sent] == [["r2"]]

@@ -122,7 +122,7 @@ class Workers:
         self.router.update_load(wid, WorkerLoad(
             msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
             msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs,
-            msg.num_prefilling, worker.ready.max_num_partial_prefills))
+            msg.num_prefilling, worker.ready.max_num_partial_prefills), msg.received)
         for step in msg.steps:
             if step.num_prefill_tokens and not step.num_decode_seqs:
                 self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)

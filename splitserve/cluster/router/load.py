@@ -3,16 +3,21 @@ itself sent it since that report, and its fitted cost models.
 
 Load reports lag: without the in-flight tally a burst of requests routed between two
 reports would all see the same idle worker and land on it. `InFlight` adds what the
-router dispatched since the last report; a new report replaces the tally (it is taken
-after the worker received those requests), and a request that finishes before the next
-report takes its share back out. The other way round, a request the last report counted
-stops counting when the worker sends its last output (`done`), not at the next report: a
-closed-loop client's next request, milliseconds later, saw the worker still running the
-one before, and half of such requests went to a worker decoding something else.
+router dispatched and no report has counted yet. A report names the requests that reached
+the worker since the one before (`LoadReport.received`): their shares leave the tally,
+the report counting them now; a request dispatched after the report was taken keeps its
+share until a later report names it (a report in flight when a request was dispatched
+used to absorb it, and the worker looked idle until the next one: the router then placed
+the next request beside it). A request that finishes before a report counts it takes its
+share back out. The other way round, a request a report counted stops counting when the
+worker sends its last output (`done`), not at the next report: a closed-loop client's
+next request, milliseconds later, saw the worker still running the one before, and half
+of such requests went to a worker decoding something else.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from splitserve.cluster.protocol import Role
@@ -118,12 +123,17 @@ class WorkerState:
             expired = True
         return expired
 
-    def report(self, load: WorkerLoad) -> None:
-        """A new load report replaces the in-flight tally and what ended since the last."""
+    def report(self, load: WorkerLoad, received: Collection[str] | None = None) -> None:
+        """A new load report: the load it counts replaces the shares of the requests in
+        `received` (None: of every pending one) and what ended since the last."""
         self.load = load
-        self.reported.update(self.pending)
-        self.pending.clear()
+        for request_id in list(self.pending) if received is None else received:
+            share = self.pending.pop(request_id, None)
+            if share is not None:
+                self.reported[request_id] = share
         self.in_flight = InFlight()
+        for share in self.pending.values():
+            self.in_flight.add(share, 1)
         self.ended = InFlight()
 
     def dispatch(self, request_id: str, share: InFlight) -> None:

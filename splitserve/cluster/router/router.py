@@ -37,7 +37,7 @@ the caller to evict there.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,11 +130,14 @@ class Router:
         """A worker's load and cost models, read-only (the planner's view)."""
         return self._workers.get(worker_id)
 
-    def update_load(self, worker_id: str, load: WorkerLoad) -> None:
-        """A load report; it replaces the in-flight tally (see load.py)."""
+    def update_load(self, worker_id: str, load: WorkerLoad,
+                    received: Collection[str] | None = None) -> None:
+        """A load report, which counts the requests in `received` (the ones that reached the
+        worker since its previous report; None: every request dispatched so far): it
+        replaces their share of the in-flight tally (see load.py)."""
         worker = self._workers.get(worker_id)
         if worker is not None:
-            worker.report(load)
+            worker.report(load, received)
             self._refresh(worker_id)
 
     def apply_events(self, worker_id: str, seq: int, events: Sequence[KVEvent]) -> bool:

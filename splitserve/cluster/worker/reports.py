@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.engine.engine import LLMEngine
@@ -24,6 +25,12 @@ class Reports:
         self.steps: list[P.StepTiming] = []
         self.num_prompt_tokens = self.num_hit_tokens = 0
         self.next_report = 0.0  # monotonic: when the next load report is due
+        self.received: list[str] = []  # request ids taken since the last report sent
+
+    def request_received(self, request_id: str) -> None:
+        """A request message (Generate, Prefill, ExportPrefix) was taken: the next report,
+        taken after it, counts its load and says so (LoadReport.received)."""
+        self.received.append(request_id)
 
     def step_done(self, engine: LLMEngine) -> None:
         s = engine.last_step
@@ -57,13 +64,14 @@ class Reports:
             kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
             steps=self.steps, num_prefix_hit_tokens=self.num_hit_tokens,
             num_prompt_tokens=self.num_prompt_tokens, kv_listener=_listener_stats(receiver),
-            tiers=tiers)
+            tiers=tiers, received=self.received)
         now = time.monotonic()
         self.next_report = now + self.interval_s
         if report == self.last_sent and now < self.last_sent_at + self.heartbeat_s:
             return None
-        self.steps = []
-        self.last_sent, self.last_sent_at = report, now
+        self.steps, self.received = [], []
+        # a repeat is the same load with nothing received since
+        self.last_sent, self.last_sent_at = replace(report, received=[]), now
         return report
 
 

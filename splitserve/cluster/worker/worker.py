@@ -218,6 +218,8 @@ class Worker(RequestHandling):
                        f"{type(msg).__name__}: {type(exc).__name__}: {exc}")
 
     def _act(self, msg: P.Message) -> None:
+        if isinstance(msg, (P.Generate, P.Prefill, P.ExportPrefix)):
+            self.reports.request_received(msg.request_id)
         if isinstance(msg, P.Generate):
             self._generate(msg)
         elif isinstance(msg, P.Prefill):
