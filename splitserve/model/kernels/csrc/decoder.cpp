@@ -237,7 +237,7 @@ class ExactDecoder {
     // linear after them, which reads its own copy (the same bits whichever thread computes
     // a task): three barriers a layer fewer, where the other thread's split of those small
     // ops saved less than its wait (~1.5% of a batch-1 step at a fast DRAM moment,
-    // docs/benchmarks.md 11-30 09:xx). AMX runs each op in a region of its own (its
+    // docs/benchmarks.md 11-30 08:2x-09:4x). AMX runs each op in a region of its own (its
     // attention packs V into the caller's buffer; the team is not measured there yet).
     auto stack = [&] {
       const exact::TeamView team;
