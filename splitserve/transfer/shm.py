@@ -343,8 +343,7 @@ class ShmTransport(Transport):
             sock.connect(address.removeprefix("shm://"))
         except TimeoutError:
             sock.close()
-            raise TransferTimeout(f"shared-memory connect to {address} "
-                                  "passed its deadline") from None
+            raise TransferTimeout(f"shared-memory connect to {address}: deadline passed") from None
         except OSError as exc:
             sock.close()
             raise TransferRejected(f"cannot connect to the KV receiver at {address}: {exc}; "
@@ -359,8 +358,7 @@ class ShmTransport(Transport):
                                                self.reply_ring_bytes)], fds)
         except OSError as exc:
             sock.close()
-            raise TransferRejected(f"shared-memory handshake with {address} failed: "
-                                   f"{exc}") from None
+            raise TransferRejected(f"shared-memory handshake with {address}: {exc}") from None
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings (ours, then the acceptor's) keep the memory
