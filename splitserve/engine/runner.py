@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-import numpy as np
 import torch
 
 from splitserve.engine.batch import RunnerOutput, ScheduledBatch, ScheduledSeq
 from splitserve.engine.sampler import sample
 from splitserve.model.attention import AttentionMetadata, ExactBatch, PrefillSlice
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.llama import LlamaForCausalLM, index_tensor
 
 
 class ModelRunner:
@@ -22,7 +20,6 @@ class ModelRunner:
         self.device = device
         self.exact = exact  # batch-invariant attention (the model's linears are exact too)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
                 on_layer_end: Callable[[int], None] | None = None) -> RunnerOutput:
         if not batch.seqs:
@@ -37,8 +34,7 @@ class ModelRunner:
             offset += len(s.token_ids)
             if s.sample is not None:
                 ends.append(offset - 1)
-        # not a decode-only step: the sampled positions alone
-        rows = self._ints(ends, np.int64) if len(ends) < offset else None
+        rows = ends if len(ends) < offset else None  # not a decode-only step: sampled rows
         logits, first_max = self.model.sampled_logits(input_ids, positions, rows, meta)
         result = RunnerOutput(num_computed_tokens=offset)
         if sampled_seqs:
@@ -48,7 +44,7 @@ class ModelRunner:
         return result
 
     def _prepare(self, seqs: list[ScheduledSeq]
-                 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[AttentionMetadata, list[int], list[int]]:
         bs, dev = self.block_size, self.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -66,11 +62,10 @@ class ModelRunner:
         ctx_lens: list[int] = [s.start_pos + 1 for s in decodes]
         if nd:
             max_blocks = max(len(s.block_table) for s in decodes)
-            decode_tables = self._ints(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
-                np.int64)
+            decode_tables = index_tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], dev)
             key_pos = torch.arange(max_blocks * bs, device=dev)
-            lens = self._ints(ctx_lens, np.int64)
+            lens = index_tensor(ctx_lens, dev)
             decode_padding = (key_pos[None, :] >= lens[:, None])[:, None, None, :]
         prefills: list[PrefillSlice] = []
         start = nd
@@ -81,36 +76,30 @@ class ModelRunner:
                 ctx = s.start_pos + q_len
                 q_pos = torch.arange(s.start_pos, ctx, device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]  # [q_len, ctx]
-            table = self._ints(s.block_table, np.int64)
+            table = index_tensor(s.block_table, dev)
             prefills.append(PrefillSlice(start, start + q_len, s.start_pos, table, mask))
             start += q_len
         meta = AttentionMetadata(
-            kv_cache=self.kv_cache, slot_mapping=self._ints(slots, np.int64),
+            kv_cache=self.kv_cache, slot_mapping=index_tensor(slots, dev),
             num_decodes=nd, decode_block_tables=decode_tables, decode_padding=decode_padding,
             decode_context_lens=ctx_lens,
             prefills=prefills)
-        return meta, self._ints(input_ids, np.int64), self._ints(positions, np.int64)
+        return meta, input_ids, positions
 
     def _prepare_exact(self, seqs: list[ScheduledSeq], input_ids: list[int],
                        positions: list[int], slots: list[int]
-                       ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[AttentionMetadata, list[int], list[int]]:
         """Every token names its sequence and its context length (position + 1): nothing
-        about the rest of the batch reaches the kernel."""
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        about the rest of the batch reaches the kernel. Lists, as the C++ takes them."""
+        width = max(len(s.block_table) for s in seqs)
+        tables: list[int] = []
+        for s in seqs:
+            tables += s.block_table
+            tables += [0] * (width - len(s.block_table))
         token_seq = [i for i, s in enumerate(seqs) for _ in s.token_ids]
-        ints = self._ints
-        exact = ExactBatch(block_tables=ints(tables, np.int32), token_seq=ints(token_seq, np.int32),
-                           context_lens=ints([p + 1 for p in positions], np.int32))
+        exact = ExactBatch(slots, tables, width, token_seq, [p + 1 for p in positions])
         meta = AttentionMetadata(
-            kv_cache=self.kv_cache, slot_mapping=ints(slots, np.int64),
-            num_decodes=0, decode_block_tables=None, decode_padding=None,
-            decode_context_lens=[], prefills=[], exact=exact)
-        return meta, ints(input_ids, np.int64), ints(positions, np.int64)
-
-    def _ints(self, values: list[int] | list[list[int]], dtype: type[np.integer[Any]]
-              ) -> torch.Tensor:
-        """A step's index operand on the model's device, through numpy: torch.tensor on a
-        Python list costs ~12 us on a Zen 1 core, numpy and from_numpy ~4 together."""
-        t = torch.from_numpy(np.array(values, dtype=dtype))
-        return t if self.device.type == "cpu" else t.to(self.device)
+            kv_cache=self.kv_cache, slot_mapping=None, num_decodes=0,
+            decode_block_tables=None, decode_padding=None, decode_context_lens=[],
+            prefills=[], exact=exact)
+        return meta, input_ids, positions

@@ -42,16 +42,21 @@ class PrefillSlice:
 
 @dataclass(slots=True)
 class ExactBatch:
-    """What the batch-invariant kernel needs: every token on its own, keys from the cache."""
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
-    token_seq: torch.Tensor  # [num_tokens] int32: the row of block_tables of each token
-    context_lens: torch.Tensor  # [num_tokens] int32: keys each token sees (itself included)
+    """What the batch-invariant kernels need: every token on its own, keys from the cache.
+    Plain lists, as the C++ takes them (a numpy array and a tensor of each cost ~60 us of
+    the cold Python between two decode steps)."""
+    slots: list[int]  # [num_tokens] flat cache slot of each new token
+    block_tables: list[int]  # [num_seqs * width] row by row, padded with block 0
+    width: int  # entries a row of block_tables
+    token_seq: list[int]  # [num_tokens]: the row of block_tables of each token
+    context_lens: list[int]  # [num_tokens]: keys each token sees (itself included)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: torch.Tensor
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    # [num_tokens] flat cache slot of each new token; None on the exact path (ExactBatch.slots)
+    slot_mapping: torch.Tensor | None
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     # [num_decodes, 1, 1, max_blocks * block_size] True where a key is padding (hidden)
@@ -91,6 +96,7 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor,
     Returns [num_tokens, num_heads, head_dim].
     """
     meta = get_forward_context()
+    assert meta.slot_mapping is not None, "the module path needs the slot mapping"
     k_cache, v_cache = meta.kv_cache[layer_idx]  # each [num_blocks, block_size, kv_heads, head_dim]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -92,8 +93,8 @@ class LlamaModel(nn.Module):
         KV out (the hook runs between layers, as on the module path)."""
         e = meta.exact
         assert e is not None, "the exact kernels need the runner's exact batch"
-        args = (rope[0], rope[1], meta.kv_cache, meta.slot_mapping,
-                e.block_tables, e.token_seq, e.context_lens)
+        args = (rope[0], rope[1], meta.kv_cache, e.slots, e.block_tables, e.width,
+                e.token_seq, e.context_lens)
         decoder = self.exact_decoder
         if meta.on_layer_end is None:
             out: tuple[torch.Tensor, torch.Tensor] = decoder.forward(
@@ -146,33 +147,34 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits [n, vocab] for the n positions that will be sampled."""
         return self.lm_head(hidden).float()
 
-    def sampled_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       rows: torch.Tensor | None, meta: AttentionMetadata
+    def sampled_logits(self, input_ids: list[int], positions: list[int],
+                       rows: list[int] | None, meta: AttentionMetadata
                        ) -> tuple[torch.Tensor, list[int] | None]:
         """A step over `meta`'s batch: fp32 logits [n, vocab] of the flat batch's `rows`
         (every row when None), as compute_logits(forward(...)[rows]) in forward_context(meta),
         and each row's first maximum when the step found it on the way (else None: the
         sampler takes it). On the exact path without a layer hook, one C++ call from token
-        ids to logits and their maxima, and no forward context (entering and leaving one
-        cost ~20 us of the cold Python between steps): after the layers have streamed every
-        weight through the caches, each torch op made from Python costs ~20-50 us (~5
-        warm), and a decode step made ~10 of them (numpy's argmax over the cold logits
-        ~75)."""
+        ids to logits and their maxima, taking the lists as they are: no tensor, numpy
+        array, forward context or inference mode made in Python (each costs ~3-30 us of
+        the cold Python between two decode steps, after the layers have streamed every
+        weight through the caches; the C++ records nothing for autograd). The module path
+        runs in inference mode (the layers' KV a layer hook copies are inference tensors)."""
         decoder = self.model.exact_decoder
         if decoder is not None and meta.on_layer_end is None:
             e = meta.exact
             assert e is not None, "the exact kernels need the runner's exact batch"
             logits, first = decoder.logits(
-                input_ids, positions, meta.kv_cache, meta.slot_mapping, e.block_tables,
+                input_ids, positions, meta.kv_cache, e.slots, e.block_tables, e.width,
                 e.token_seq, e.context_lens, rows)
-            return logits, first.tolist()
-        with forward_context(meta):
-            hidden = self(input_ids, positions)
-        if rows is not None:
-            hidden = hidden[rows]
-        if not len(hidden):
-            return hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), None
-        return self.compute_logits(hidden), None
+            return logits, first
+        device = self.model.embed_tokens.weight.device
+        with torch.inference_mode(), forward_context(meta):
+            hidden = self(index_tensor(input_ids, device), index_tensor(positions, device))
+            if rows is not None:
+                hidden = hidden[index_tensor(rows, device)]
+            if not len(hidden):
+                return hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), None
+            return self.compute_logits(hidden), None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -212,3 +214,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint lacks tensors for {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}; the file is incomplete")
+
+
+def index_tensor(values: list[int] | list[list[int]], device: torch.device,
+                 dtype: type[np.integer[Any]] = np.int64) -> torch.Tensor:
+    """An index operand on `device`, through numpy: torch.tensor on a Python list costs
+    ~12 us on a Zen 1 core, numpy and from_numpy ~4 together."""
+    t = torch.from_numpy(np.array(values, dtype=dtype))
+    return t if device.type == "cpu" else t.to(device)

@@ -41,7 +41,7 @@ def _step(model: LlamaForCausalLM, decodes: int = 0
     spec = model.spec
     kv = (torch.randn(spec.num_layers, 2, NUM_BLOCKS, BLOCK, spec.num_kv_heads, spec.head_dim)
           * 0.5).to(torch.bfloat16)
-    tables = torch.tensor([[3, 7, 1], [5, 0, 0], [9, 11, 2]], dtype=torch.int32)
+    tables = [[3, 7, 1], [5, 0, 0], [9, 11, 2]]
     seqs = [(0, list(range(9, 29))), (1, [13]), (2, [40])]
     if decodes:
         seqs = [(2, [40]), (0, [33])][:decodes]
@@ -50,10 +50,9 @@ def _step(model: LlamaForCausalLM, decodes: int = 0
         for p in pos:
             token_seq.append(s)
             positions.append(p)
-            slots.append(int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK)
-    exact = ExactBatch(tables, torch.tensor(token_seq, dtype=torch.int32),
-                       torch.tensor([p + 1 for p in positions], dtype=torch.int32))
-    meta = AttentionMetadata(kv, torch.tensor(slots), 0, None, None, [], [], exact=exact)
+            slots.append(tables[s][p // BLOCK] * BLOCK + p % BLOCK)
+    exact = ExactBatch(slots, sum(tables, []), 3, token_seq, [p + 1 for p in positions])
+    meta = AttentionMetadata(kv, None, 0, None, None, [], [], exact=exact)
     ids = torch.randint(0, spec.vocab_size, (len(positions),))
     return meta, ids, torch.tensor(positions)
 
@@ -63,6 +62,10 @@ def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
     """The stack op by op, each kernel called from Python (the former module path)."""
     m, spec, e = model.model, model.spec, meta.exact
     assert e is not None
+    slots = torch.tensor(e.slots)
+    tables = torch.tensor(e.block_tables, dtype=torch.int32).view(-1, e.width)
+    token_seq = torch.tensor(e.token_seq, dtype=torch.int32)
+    context_lens = torch.tensor(e.context_lens, dtype=torch.int32)
     x = m.embed_tokens(ids)
     cos, sin = m.rotary.table(positions, x.dtype)
     residual = None
@@ -70,10 +73,10 @@ def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
         a = layer.self_attn
         h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, spec.rms_norm_eps,
                                        residual)
-        q = kernels.rope_write_kv(a.qkv_proj(h), cos, sin, meta.kv_cache[i],
-                                  meta.slot_mapping, spec.num_heads)
-        out = kernels.paged_attention(q, meta.kv_cache[i], e.block_tables, e.token_seq,
-                                      e.context_lens, spec.head_dim ** -0.5)
+        q = kernels.rope_write_kv(a.qkv_proj(h), cos, sin, meta.kv_cache[i], slots,
+                                  spec.num_heads)
+        out = kernels.paged_attention(q, meta.kv_cache[i], tables, token_seq, context_lens,
+                                      spec.head_dim ** -0.5)
         h, residual = kernels.rms_norm(a.o_proj(out.flatten(1)),
                                        layer.post_attention_layernorm.weight,
                                        spec.rms_norm_eps, residual)
@@ -123,8 +126,7 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
     try:
         for isa in range(1, before + 1):
             ops.set_isa(isa)
-            for rows in (None, torch.tensor([19, 20, 21]), torch.tensor([21, 0]),
-                         torch.tensor([], dtype=torch.long)):
+            for rows in (None, [19, 20, 21], [21, 0], []):
                 meta, ids, positions = _step(model)
                 kv0 = meta.kv_cache.clone()
                 with torch.inference_mode():
@@ -135,7 +137,8 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
                     meta.kv_cache.copy_(kv0)
                     meta.on_layer_end = None if hook is None else hook.append
                     with torch.inference_mode():
-                        got, first_max = model.sampled_logits(ids, positions, rows, meta)
+                        got, first_max = model.sampled_logits(ids.tolist(),
+                                                              positions.tolist(), rows, meta)
                     # the one call finds each row's argmax on the way; the module path not
                     assert first_max == (want.argmax(-1).tolist() if hook is None else None)
                     assert got.dtype == torch.float32
@@ -146,18 +149,32 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
         ops.set_isa(before)
 
 
-def test_a_one_call_step_refuses_ids_positions_and_rows_out_of_range() -> None:
+def test_a_one_call_step_refuses_ids_positions_rows_and_tables_out_of_range() -> None:
     model = _model(False)
-    meta, ids, positions = _step(model)
-    bad = [(ids.clone().fill_(300), positions, None, "token id 300 out of range"),
-           (ids.clone().fill_(-1), positions, None, "token id -1 out of range"),
-           (ids, positions.clone().fill_(512), None, "position 512 out of range"),
-           (ids, positions, torch.tensor([22]), "row 22 out of range"),
-           (ids.int(), positions, None, "must be int64")]
+    meta, id_tensor, pos_tensor = _step(model)
+    ids, positions = id_tensor.tolist(), pos_tensor.tolist()
+    n = len(ids)
+    bad: list[tuple[list[int], list[int], list[int] | None, str]] = [
+        ([300] * n, positions, None, "token id 300 out of range"),
+        ([-1] * n, positions, None, "token id -1 out of range"),
+        (ids, [512] * n, None, "position 512 out of range"),
+        (ids, positions[:-1], None, "input_ids and positions must be"),
+        (ids, positions, [22], "row 22 out of range")]
     for i, p, rows, message in bad:
         with torch.inference_mode():
             with pytest.raises(RuntimeError, match=message):
                 model.sampled_logits(i, p, rows, meta)
+    e = meta.exact
+    assert e is not None
+    for width, tables, message in ((2, e.block_tables, "9 entries are not rows of 2"),
+                                   (0, [], "0 entries are not rows of 0"),
+                                   (3, [3, 7, 1, 5, 0, 0, 9, 11, 24], "block id 24 out of range")):
+        e.width, e.block_tables = width, tables
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match=message):
+                model.sampled_logits(ids, positions, None, meta)
+    with torch.inference_mode(), pytest.raises(TypeError):  # not a list of ints
+        model.sampled_logits([float(t) for t in ids], positions, None, meta)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -224,12 +224,13 @@ def exact_decoder(tensors: list[torch.Tensor], ends: list[torch.Tensor], hidden:
     """A stack of Llama decoder layers run by one C++ call (csrc/decoder.cpp): `tensors` are
     14 per layer: the input and post-attention norm weights, then ExactLinear.operands() of
     QKV, O, gate/up and down (packed weight, int8 scales, bias; absent ones empty). Its
-    `forward(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
-    context_lens, begin, end)` runs layers [begin, end) and returns (x, residual).
-    `ends`: the embedding, the rotary cos and signed sin tables (bf16), the final norm's
-    weight and the LM head's operands, for `logits(input_ids, positions, kv_cache,
-    slot_mapping, block_tables, token_seq, context_lens, rows)`: a whole step's fp32 logits
-    of `rows` (all when None) in one call; or empty (no logits())."""
+    `forward(x, residual, cos, sin, kv_cache, slots, block_tables, width, token_seq,
+    context_lens, begin, end)` runs layers [begin, end) and returns (x, residual); the
+    step's index is attention.ExactBatch's lists. `ends`: the embedding, the rotary cos and
+    signed sin tables (bf16), the final norm's weight and the LM head's operands, for
+    `logits(input_ids, positions, kv_cache, slots, block_tables, width, token_seq,
+    context_lens, rows)` (lists but the cache): a whole step's fp32 logits of `rows` (all
+    when None) and each one's first maximum (a list) in one call; or empty (no logits())."""
     return load().ExactDecoder([t.contiguous() for t in tensors],
                                [t.contiguous() for t in ends], hidden, num_heads,
                                num_kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)

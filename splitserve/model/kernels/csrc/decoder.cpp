@@ -44,6 +44,33 @@ struct Layer {
   Proj qkv, o, gate_up, down;
 };
 
+using Ints = std::vector<int64_t>;
+using Ints32 = std::vector<int32_t>;
+
+// A step's index operands as the runner builds them, Python lists (pybind11 copies them
+// into vectors): the slot of each token, the block tables (S rows of `width`, flat), each
+// token's row of them and its context length. Making a numpy array and a tensor of each,
+// as the runner once did, cost ~60 us of the cold Python between two decode steps. The
+// tensors here only view the vectors, for the checks the module-level ops share.
+struct StepIndex {
+  at::Tensor slots, tables, token_seq, context_lens;
+  StepIndex(const Ints& s, const Ints32& t, int64_t width, const Ints32& seq, const Ints32& lens)
+      : slots(view(s, {(int64_t)s.size()}, at::kLong)),
+        tables(view(t, {rows_of(t, width), width}, at::kInt)),
+        token_seq(view(seq, {(int64_t)seq.size()}, at::kInt)),
+        context_lens(view(lens, {(int64_t)lens.size()}, at::kInt)) {}
+  static int64_t rows_of(const Ints32& t, int64_t width) {
+    TORCH_CHECK(width > 0 && (int64_t)t.size() % width == 0,
+                "block tables: ", t.size(), " entries are not rows of ", width);
+    return (int64_t)t.size() / width;
+  }
+  template <typename V>
+  static at::Tensor view(const V& v, at::IntArrayRef sizes, at::ScalarType type) {
+    return at::from_blob(const_cast<typename V::value_type*>(v.data()), sizes,
+                         at::TensorOptions().dtype(type));
+  }
+};
+
 const bf16_t* cdata(const at::Tensor& t) { return reinterpret_cast<const bf16_t*>(t.data_ptr()); }
 bf16_t* data(at::Tensor& t) { return reinterpret_cast<bf16_t*>(t.data_ptr()); }
 
@@ -92,14 +119,15 @@ class ExactDecoder {
   // Layers [begin, end) over a step. x [T, hidden] bf16: the layer input (the embedding,
   // or the previous layer's MLP output); residual: the residual stream before it (none
   // before layer 0). cos, sin [T, head_dim] bf16; kv_cache [layers, 2, NBLK, BS, HKV, D].
-  // Returns (the last layer's MLP output, the residual stream before it).
+  // The step's index (StepIndex) comes as Python lists. Returns (the last layer's MLP
+  // output, the residual stream before it).
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& cos,
-      const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-      const at::Tensor& block_tables, const at::Tensor& token_seq,
-      const at::Tensor& context_lens, int64_t begin, int64_t end) const {
-    return layers(x, residual, cos, sin, kv_cache, slot_mapping, block_tables, token_seq,
-                  context_lens, begin, end);
+      const at::Tensor& sin, at::Tensor& kv_cache, const Ints& slots, const Ints32& tables,
+      int64_t width, const Ints32& token_seq, const Ints32& context_lens, int64_t begin,
+      int64_t end) const {
+    const StepIndex index(slots, tables, width, token_seq, context_lens);
+    return layers(x, residual, cos, sin, kv_cache, index, begin, end);
   }
 
   // A whole step from token ids to fp32 logits [n, V] of `rows` (the flat batch's rows
@@ -107,32 +135,28 @@ class ExactDecoder {
   // the final norm and the LM head, with the same kernels and operands as forward() and
   // the Python ops around it, so the same bits, without the ~10 torch ops a step made
   // from Python after the layers had streamed every weight through the caches (each
-  // ~20-50 us there against ~5 warm). input_ids, positions [T] int64; rows [n] int64.
-  // Returns the logits and each row's first maximum [n] int64 (the greedy token: a numpy
+  // ~20-50 us there against ~5 warm). input_ids, positions [T]; rows [n]; the index as
+  // forward()'s: all Python lists.
+  // Returns the logits and each row's first maximum as a list (the greedy token: a numpy
   // argmax over the cold logits cost a step ~75 us in Python).
-  std::tuple<at::Tensor, at::Tensor> logits(
-      const at::Tensor& input_ids, const at::Tensor& positions, at::Tensor& kv_cache,
-      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-      const at::Tensor& token_seq, const at::Tensor& context_lens,
-      const c10::optional<at::Tensor>& rows) const {
+  std::tuple<at::Tensor, Ints> logits(
+      const Ints& input_ids, const Ints& positions, at::Tensor& kv_cache, const Ints& slots,
+      const Ints32& tables, int64_t width, const Ints32& token_seq,
+      const Ints32& context_lens, const c10::optional<Ints>& rows) const {
     TORCH_CHECK(ends_, "ExactDecoder: built without the model's ends");
     const Ends& e = *ends_;
-    const int64_t T = input_ids.numel(), H = hidden_, D = head_dim_, V = e.embedding.size(0);
-    for (const at::Tensor* t : {&input_ids, &positions})
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 &&
-                  t->numel() == T && T > 0, "input_ids and positions must be int64 [T], T > 0");
-    if (rows) {
-      TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->dim() == 1,
-                  "rows must be int64 [n]");
-      const int64_t* r = rows->data_ptr<int64_t>();
-      for (int64_t i = 0; i < rows->numel(); ++i)
-        TORCH_CHECK(r[i] >= 0 && r[i] < T, "row ", r[i], " out of range");
-    }
+    const int64_t T = (int64_t)input_ids.size(), H = hidden_, D = head_dim_,
+                  V = e.embedding.size(0);
+    TORCH_CHECK(T > 0 && (int64_t)positions.size() == T,
+                "input_ids and positions must be [T], T > 0");
+    if (rows)
+      for (int64_t r : *rows) TORCH_CHECK(r >= 0 && r < T, "row ", r, " out of range");
+    const StepIndex index(slots, tables, width, token_seq, context_lens);
     const auto bf16 = e.embedding.options();
     at::Tensor x = at::empty({T, H}, bf16), cos = at::empty({T, D}, bf16),
                sin = at::empty({T, D}, bf16);
-    const int64_t* ids = input_ids.data_ptr<int64_t>();
-    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* ids = input_ids.data();
+    const int64_t* pos = positions.data();
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < V, "token id ", ids[t], " out of range");
       TORCH_CHECK(pos[t] >= 0 && pos[t] < e.cos.size(0), "position ", pos[t], " out of range");
@@ -140,20 +164,20 @@ class ExactDecoder {
       std::memcpy(data(cos) + t * D, cdata(e.cos) + pos[t] * D, D * sizeof(bf16_t));
       std::memcpy(data(sin) + t * D, cdata(e.sin) + pos[t] * D, D * sizeof(bf16_t));
     }
-    auto [y, stream] = layers(x, c10::nullopt, cos, sin, kv_cache, slot_mapping, block_tables,
-                              token_seq, context_lens, 0, num_layers());
+    auto [y, stream] = layers(x, c10::nullopt, cos, sin, kv_cache, index, 0, num_layers());
     if (rows) {  // the sampled rows alone (the norm and the head are row by row)
-      const int64_t* r = rows->data_ptr<int64_t>();
-      at::Tensor ys = at::empty({rows->numel(), H}, bf16), ss = at::empty_like(ys);
-      for (int64_t i = 0; i < rows->numel(); ++i) {
+      const int64_t* r = rows->data();
+      const int64_t n = (int64_t)rows->size();
+      at::Tensor ys = at::empty({n, H}, bf16), ss = at::empty_like(ys);
+      for (int64_t i = 0; i < n; ++i) {
         std::memcpy(data(ys) + i * H, cdata(y) + r[i] * H, H * sizeof(bf16_t));
         std::memcpy(data(ss) + i * H, cdata(stream) + r[i] * H, H * sizeof(bf16_t));
       }
       y = ys, stream = ss;
     }
     const int64_t n = y.size(0);
-    at::Tensor out = at::empty({n, V}, bf16.dtype(at::kFloat)),
-               top = at::empty({n}, bf16.dtype(at::kLong));
+    at::Tensor out = at::empty({n, V}, bf16.dtype(at::kFloat));
+    Ints top(n);
     if (n == 0) return {out, top};
     at::Tensor h = at::empty({n, H}, bf16), sum = at::empty({n, H}, bf16);
     exact::rms_norm_into(cdata(y), cdata(stream), cdata(e.norm), n, H, eps_, data(sum), data(h));
@@ -161,7 +185,7 @@ class ExactDecoder {
     exact::linear_into(cdata(h), n, e.head.w, data(head));
     const bf16_t* src = cdata(head);
     float* dst = out.data_ptr<float>();
-    int64_t* first = top.data_ptr<int64_t>();
+    int64_t* first = top.data();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {  // bf16 -> fp32, argmax
       for (int64_t i = begin; i < end; ++i) {
         uint32_t* row = reinterpret_cast<uint32_t*>(dst + i * V);
@@ -176,9 +200,8 @@ class ExactDecoder {
   // Layers [begin, end) as forward().
   std::tuple<at::Tensor, at::Tensor> layers(
       at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& cos,
-      const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-      const at::Tensor& block_tables, const at::Tensor& token_seq,
-      const at::Tensor& context_lens, int64_t begin, int64_t end) const {
+      const at::Tensor& sin, at::Tensor& kv_cache, const StepIndex& step, int64_t begin,
+      int64_t end) const {
     TORCH_CHECK(0 <= begin && begin < end && end <= num_layers(), "layers out of range");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers() &&
                 kv_cache.is_contiguous(),
@@ -194,9 +217,9 @@ class ExactDecoder {
     TORCH_CHECK(layout.kv_heads == kv_heads_ && layout.head_dim == head_dim_,
                 "the cache's heads do not match the model's");
     exact::check_rope_tables(cos, sin, T, head_dim_);
-    const int64_t* slots = exact::checked_slots(slot_mapping, T, layout);
+    const int64_t* slots = exact::checked_slots(step.slots, T, layout);
     const exact::PagedIndex index =
-        exact::paged_index(block_tables, token_seq, context_lens, T, layout);
+        exact::paged_index(step.tables, step.token_seq, step.context_lens, T, layout);
 
     // One workspace for every layer: the ops run one after another, each reading the
     // buffers the previous one wrote (the residual stream alternates between two).
