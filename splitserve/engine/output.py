@@ -54,6 +54,11 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
+        # (token id, skip_special_tokens) -> its text decoded alone: the context of the
+        # next step's decode when the last one committed one token, as it mostly does
+        # (one tokenizer call a step fewer: ~20 us of the cold Python between decode
+        # steps). At most two entries a vocabulary entry.
+        self._alone: dict[tuple[int, bool], str] = {}
 
     def add(self, request_id: str, want_logprobs: bool) -> None:
         self._states[request_id] = _TextState(logprobs=[] if want_logprobs else None)
@@ -100,7 +105,14 @@ class Detokenizer:
         if st.read_offset == len(ids):
             return st.committed
         decode = self.tokenizer.decode
-        context = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=skip_special)
+        if st.read_offset - st.prefix_offset == 1:
+            key = (ids[st.prefix_offset], skip_special)
+            context = self._alone.get(key)
+            if context is None:
+                context = self._alone[key] = decode(key[:1], skip_special_tokens=skip_special)
+        else:
+            context = decode(ids[st.prefix_offset:st.read_offset],
+                             skip_special_tokens=skip_special)
         added = decode(ids[st.prefix_offset:], skip_special_tokens=skip_special)[len(context):]
         if not added or added.endswith("\ufffd"):
             return st.committed + added
