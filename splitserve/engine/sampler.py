@@ -99,6 +99,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec],
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     processed = logits  # copied once a row is to change (logits stay raw for logprobs)
+    changed: list[int] = []
     for row, spec in enumerate(specs):
         if not _changes_logits(spec):
             continue
@@ -107,8 +108,14 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec],
         apply_penalties(processed[row], spec)
         if spec.banned_token_ids:
             processed[row, spec.banned_token_ids] = float("-inf")
-    greedy_ids = (first_max if first_max is not None and processed is logits
-                  else argmax_rows(processed))
+        changed.append(row)
+    if first_max is None:
+        greedy_ids = argmax_rows(processed)
+    else:  # the step's maxima, but for the rows a penalty or ban changed
+        greedy_ids = list(first_max)
+        if changed:
+            for row, best in zip(changed, argmax_rows(processed[changed])):
+                greedy_ids[row] = best
     out: list[SampledToken] = []
     for row, spec in enumerate(specs):
         token_id = greedy_ids[row] if spec.params.is_greedy else sample_one(processed[row], spec)

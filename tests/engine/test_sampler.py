@@ -24,13 +24,18 @@ def test_greedy_picks_argmax_and_respects_banned_ids() -> None:
 
 def test_greedy_takes_the_steps_own_argmax_unless_a_ban_changed_the_logits() -> None:
     """first_max (the exact step's argmax, found as it writes the logits) is taken as given
-    for greedy rows; once a penalty or ban changes a row, every row is computed again."""
-    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [4.0, 3.0, 2.0, -1.0]])
+    for greedy rows; a row a penalty or ban changed is computed again, that row alone."""
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [4.0, 3.0, 2.0, -1.0],
+                           [0.0, 1.0, 5.0, 2.0]])
     greedy = spec(SamplingParams(temperature=0))
     # a deliberately different answer shows whose argmax was used
-    assert [t.token_id for t in sample(logits, [greedy, greedy], [3, 2])] == [3, 2]
+    assert [t.token_id for t in sample(logits, [greedy] * 3, [3, 2, 0])] == [3, 2, 0]
     banned = spec(SamplingParams(temperature=0), banned=[0])
-    assert [t.token_id for t in sample(logits, [greedy, banned], [3, 2])] == [1, 1]
+    penalized = spec(SamplingParams(temperature=0, repetition_penalty=4.0), prompt=[2])
+    assert [t.token_id for t in sample(logits, [greedy, banned, greedy], [3, 2, 0])] \
+        == [3, 1, 0]
+    assert [t.token_id for t in sample(logits, [banned, greedy, penalized], [3, 2, 0])] \
+        == [1, 2, 3]  # row 2: 5.0 / 4 < 2.0
 
 
 def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included() -> None:

@@ -30,6 +30,7 @@ import errno
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -151,7 +152,7 @@ class WorkerLink:
                 return
             # nothing waiting: asked, not learnt from recv's Again (an exception raised and
             # caught after every drained output frame was ~5% of the frontend's CPU a token)
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
