@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -302,46 +300,6 @@ def test_client_disconnect_aborts_and_frees_blocks(disagg: Any) -> None:
                for p in pools.values()), pools
 
 
-def _titles() -> dict[int, str]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    titles = {}
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        titles[int(pid)] = args
-    return titles
-
-
-def _thread_nices(pid: int) -> set[int]:
-    nices = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19: nice
-    return nices
-
-
-def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
-    server = start_server("--mode", "disagg", *FLAGS)
-    pids = server.worker_pids()
-    titles = _titles()
-    assert titles[server.proc.pid].startswith("splitserve-frontend")
-    assert sorted(titles[p].split()[0] for p in pids) == ["splitserve-decode-0",
-                                                          "splitserve-prefill-0"]
-    # Every thread of a worker (engine, OpenMP, ZeroMQ, KV) runs --worker-nice (5) nicer
-    # than the frontend, whose own threads keep its niceness.
-    [front] = _thread_nices(server.proc.pid)
-    for pid in pids:
-        assert _thread_nices(pid) == {min(19, front + 5)}, pid
-    # Each process froze its startup heap before serving (cluster/heap.py).
-    frozen = re.findall(r"(\S+): froze the startup heap \((\d+) objects\)", server.log())
-    assert sorted(name for name, _ in frozen) == ["decode-0", "frontend", "prefill-0"], frozen
-    assert all(int(n) > 10_000 for _, n in frozen), frozen
-    assert server.stop() == 0, server.log()
-    time.sleep(0.5)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
-             "zombie" not in open(f"/proc/{p}/status").read().lower()]
-    assert not alive, f"workers left behind: {alive}"
-
-
 def test_logprobs_cover_every_token_in_both_modes(disagg: Any, agg: Any) -> None:
     """In disagg the first token's logprob comes from the prefill worker, the rest from
     the decode worker; the merged list must still have one entry per token, and with the
@@ -358,33 +316,6 @@ def test_logprobs_cover_every_token_in_both_modes(disagg: Any, agg: Any) -> None
         got[mode] = [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs])
                      for t in content]
     assert got["disagg"] == got["agg"]
-
-
-def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:
-    import signal
-    import threading
-
-    server = start_server("--mode", "agg", *FLAGS)
-    c = client(server)
-    name = model_name(server)
-    got: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        for chunk in c.completions.create(model=name, prompt="Tell me a story.", max_tokens=40,
-                                          temperature=0, stream=True,
-                                          extra_body={"ignore_eos": True},
-                                          stream_options={"include_usage": True}):
-            started.set()
-            if chunk.usage is not None:
-                got.append(str(chunk.usage.completion_tokens))
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
-    server.proc.send_signal(signal.SIGTERM)  # mid-stream
-    t.join(120)
-    assert got == ["40"], "the in-flight request finished"
-    assert server.stop() == 0, server.log()
 
 
 def test_fault_injection_is_refused_unless_enabled(disagg: Any) -> None:
