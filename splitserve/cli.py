@@ -104,6 +104,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, help="torch threads per worker")
     p.add_argument("--worker-nice", type=int, help="local workers' niceness above the "
                    "frontend's, 0-19 (default 5: the frontend preempts their compute threads)")
+    p.add_argument("--prefill-borrows-cores", action=argparse.BooleanOptionalAction,
+                   default=None, help="disagg: each prefill worker also runs, at the lowest "
+                   "priority, on its share of the decode workers' cores, idle ones lent, "
+                   "busy ones yielded (default: yes, local workers on split cores)")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")

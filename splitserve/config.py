@@ -236,6 +236,12 @@ class ServeConfig:
     # (and a client on the machine) preempt a worker's compute threads when they wake
     # instead of waiting out a time slice: a token reaches the client sooner. 0: as nice.
     worker_nice: int = 5
+    # disagg on this machine's cores: each prefill worker also runs threads on its share of
+    # the decode pool's cores, at the lowest priority (nice 19), so it prefills on every
+    # core decode leaves idle and the decode workers (and the frontend) preempt it at once
+    # when they run (cluster/specs.py). Off where the threads or cores are set by hand,
+    # the planner resizes the pools, or workers run on Ray.
+    prefill_borrows_cores: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"

@@ -45,7 +45,8 @@ COMPLETION = "The three primary colors are"
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     """The offline engine: default dtype (bf16, exact kernels) like the workers, but two
-    torch threads where the workers have one (outputs must not depend on it)."""
+    torch threads where agg's worker has one and disagg's prefill worker borrows the decode
+    worker's core (outputs must not depend on either)."""
     return LLM(num_threads=2, max_model_len=2048)
 
 
@@ -62,8 +63,10 @@ def reference(offline: LLM) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def disagg(start_server: Any) -> Any:
-    # "always": every request goes prefill worker -> KV transfer -> decode worker.
-    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS)
+    # "always": every request goes prefill worker -> KV transfer -> decode worker. The
+    # cores as serve splits them by default: the prefill worker borrows the decode
+    # worker's (one thread there at nice 19, preempted whenever the decode worker runs).
+    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS[2:])
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import replace
 
 from splitserve.cluster.auth import WorkerSecret
@@ -24,6 +25,20 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _renice(increment: int) -> None:
+    """Every thread of this process `increment` nicer. Linux keeps a niceness per thread and
+    a new thread inherits its creator's: the threads to come follow the main thread's, and
+    those a library started at import (OpenBLAS's, under numpy) are set here."""
+    nice = os.nice(increment)
+    me = threading.get_native_id()
+    for tid in map(int, os.listdir("/proc/self/task")):
+        if tid != me:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:  # ended meanwhile
+                pass
 
 
 def _read_secret() -> WorkerSecret:
@@ -41,7 +56,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec = WorkerSpec.from_json(argv[0])
     if spec.nice:
-        os.nice(spec.nice)  # before any thread: every thread of the worker inherits it
+        _renice(spec.nice)  # before the worker's own threads, which inherit it
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
