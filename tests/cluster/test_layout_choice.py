@@ -55,6 +55,30 @@ def test_candidates_split_the_cores_evenly() -> None:
         (Layout.AGG, "never"), (Layout.DISAGG, "always"), (Layout.DISAGG, "auto")]
 
 
+def test_a_borrowing_prefill_worker_is_scored_on_the_cores_it_gets() -> None:
+    """The prefill worker borrows the decode core (cluster/specs.py): unloaded it prefills
+    at two threads; the busier the decode worker, the closer to its own core's speed."""
+    from splitserve.cluster.planner.layout import borrowing_curves, decode_busy, lent_threads
+    assert [lent_threads(*c) for c in ((1, 1, 1), (1, 3, 1), (2, 2, 1), (1, 1, 2),
+                                       (2, 1, 1), (3, 1, 1))] == [2, 4, 2, 4, None, None]
+    hint = WorkloadHint(1536, 96)
+    busy = [decode_busy(CURVES[1], hint, rate, 1) for rate in (0.0, 0.1, 1.0, 100.0)]
+    assert busy[0] == 0 and busy == sorted(busy) and 0 < busy[1] < busy[2] < busy[3] <= 1
+    mid = borrowing_curves(CURVES[1], CURVES[2], 0.25).prefill
+    assert mid.b == pytest.approx(0.75 * PREFILL_2.b + 0.25 * PREFILL_1.b)
+    slo = SLOTarget(4.0, 0.1)
+    plain, lent = (choose_layout(CURVES, hint, slo, cores=2, borrow=b) for b in (False, True))
+    rates = [{c.label: c for c in choice.candidates} for choice in (plain, lent)]
+    for label in ("disagg 1P+1D", "mixed 1P+1D"):
+        assert rates[1][label].max_rate > rates[0][label].max_rate, label
+    assert rates[0]["disagg 1P+1D"].unloaded.ttft_s == pytest.approx(PREFILL_1(1536))
+    assert rates[1]["disagg 1P+1D"].unloaded.ttft_s == pytest.approx(PREFILL_2(1536))
+    assert rates[1]["agg x2"] == rates[0]["agg x2"]  # colocated workers borrow nothing
+    # Threads fixed by hand: nothing is lent (as cluster/specs.py), nothing modeled.
+    fixed = choose_layout(CURVES, hint, slo, cores=2, threads_per_worker=1, borrow=True)
+    assert fixed == choose_layout(CURVES, hint, slo, cores=2, threads_per_worker=1)
+
+
 def test_prompt_heavy_with_a_strict_tpot_goes_to_a_prefill_pool() -> None:
     """A 1536-token prompt stalls a colocated worker's decodes for over a second: with a
     TPOT target just above the batch-1 step, only a decode pool of its own meets it. No

@@ -185,8 +185,10 @@ def ttft_quantile(rate: float, service: Service, servers: int, config: PlannerCo
 
 
 def fit_disagg(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
-               config: PlannerConfig) -> Fit:
-    service = _service(demand, curves, config)
+               config: PlannerConfig, prefill: Curves | None = None) -> Fit:
+    """`prefill`: the prefill workers' curves where they differ from the decode
+    workers' (a prefill worker that borrows decode cores: layout.borrowing_curves)."""
+    service = _service(demand, prefill or curves, config)
     ttft = ttft_quantile(demand.prefill_rate, service, num_prefill, config)
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_decode)
     tpot = curves.step_s(per_worker) if per_worker <= curves.max_num_seqs else INF
@@ -290,7 +292,7 @@ def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: in
 
 def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
               config: PlannerConfig, router: RouterConfig = RouterConfig(),
-              kv: KVLayout = KVLayout()) -> Fit:
+              kv: KVLayout = KVLayout(), prefill: Curves | None = None) -> Fit:
     """P prefill + D decode workers under the router's conditional disaggregation
     (--disagg-policy auto, tpot_slo_s = slo_tpot_s): a fluid model of its rule
     (router.py's docstring). Per decode worker, with lambda = prefill_rate, S = S(prompt),
@@ -317,17 +319,20 @@ def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
     of the mean cost, not a length threshold); KV transfer time in TTFT (it only
     enters the cost rule); local prefills when every prefill worker is over budget (the
     router's spill); the memory terms of the costs; the router's knobs and KV bytes per
-    token are `router` and `kv` (the defaults: the default model's)."""
+    token are `router` and `kv` (the defaults: the default model's). `prefill`: the
+    prefill workers' curves where they differ (fit_disagg); the remote path's TTFT uses
+    them, the share (local_share) the decode workers' on both sides."""
     share = local_share(demand, curves, num_prefill, num_decode, config, router, kv)
     if share <= 0:
-        return fit_disagg(demand, curves, num_prefill, num_decode, config)
+        return fit_disagg(demand, curves, num_prefill, num_decode, config, prefill)
     rate = demand.prefill_rate
     service = _service(demand, curves, config)
     step = curves.step_s(math.ceil(demand.sequences(config.slo_tpot_s) / num_decode))
     tpot = step / (1 - share * rate * service.mean_s / num_decode)
     ttft = ttft_quantile(share * rate, _riding(service, step), num_decode, config)
     if share < 1:
-        ttft = max(ttft, ttft_quantile((1 - share) * rate, service, num_prefill, config))
+        remote = _service(demand, prefill, config) if prefill else service
+        ttft = max(ttft, ttft_quantile((1 - share) * rate, remote, num_prefill, config))
     return Fit(ttft, tpot)
 
 

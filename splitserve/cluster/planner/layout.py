@@ -11,6 +11,12 @@ pins workers):
                   their running sequences within the TPOT target and cost less locally;
                   the rest (long prompts, busy decode workers) go to the prefill pool
 With --threads-per-worker T every worker runs T threads and at most cores / T exist.
+Without it a prefill worker also borrows its share of the decode workers' cores
+(cluster/specs.py; ServeConfig.prefill_borrows_cores): its prefill curve is then the one
+measured at all its threads while the decode workers are idle and its own cores' while they
+step, blended by the share of time they step at the rate scored (decode_busy: the chance a
+decode worker holds a sequence, Poisson of mean rate x output x step). Where that thread
+count was not measured (an uneven share) the prefill worker is scored on its own cores.
 Each candidate's score is the highest request rate at which capacity.py predicts that
 the SLO quantile of TTFT and TPOT is met (capacity.fit_agg, fit_disagg, fit_mixed:
 queueing and prefill interference included). The best wins, except within 10% of it
@@ -36,6 +42,7 @@ between workers (so many small workers are optimistic).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -43,6 +50,7 @@ from enum import Enum
 from splitserve.cluster.planner import capacity
 from splitserve.cluster.planner.capacity import Curves, Demand, Fit
 from splitserve.cluster.planner.model import Layout, PlannerConfig
+from splitserve.cluster.router.cost_model import Quadratic
 
 TIE_SHARE = 0.9  # a colocated (else mixed) layout within 10% of the best is chosen
 # Without SLOs: TTFT this many times the unloaded TTFT of the hint's prompt, TPOT this
@@ -222,23 +230,53 @@ def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
                      DEFAULT_TPOT_FACTOR * curves.step_s(1))
 
 
+def lent_threads(num_prefill: int, num_decode: int, threads: int) -> int | None:
+    """A borrowing prefill worker's threads: its own cores' and its share of the decode
+    workers' (cluster/specs.py lend_cores); None when the share is uneven."""
+    lent, rest = divmod(num_decode * threads, num_prefill)
+    return None if rest or not lent else threads + lent
+
+
+def decode_busy(curves: Curves, workload: WorkloadHint, rate: float, num_decode: int) -> float:
+    """The share of time a decode worker steps: the chance it holds a sequence, whose
+    count is Poisson (M/G/inf) of mean rate x output tokens x step / decode workers."""
+    held = rate * workload.output_tokens * curves.step_s(1) / num_decode
+    return 1 - math.exp(-held)
+
+
+def borrowing_curves(own: Curves, wide: Curves, busy: float) -> Curves:
+    """A prefill worker on lent cores: its own cores' prefill curve the share `busy` of the
+    time the decode workers step (the lent cores' threads preempted), the wide curve (all
+    its cores) the rest."""
+    blend = Quadratic(*((1 - busy) * w + busy * o for o, w in zip(own.prefill, wide.prefill)))
+    return own._replace(prefill=blend)
+
+
 def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
-         workload: WorkloadHint, rate: float, config: PlannerConfig) -> Fit:
+         workload: WorkloadHint, rate: float, config: PlannerConfig,
+         wide: Curves | None = None) -> Fit:
+    """`wide`: a borrowing prefill worker's curves on all its cores (None: no borrowing)."""
     demand = workload.demand(rate, config.interval_s)
+    prefill = None if wide is None or shape is Shape.AGG else borrowing_curves(
+        curves, wide, decode_busy(curves, workload, rate, num_decode))
     if shape is Shape.MIXED:
         if num_prefill < 1 or num_decode < 1:
             return Fit(capacity.INF, capacity.INF)
-        return capacity.fit_mixed(demand, curves, num_prefill, num_decode, config)
+        return capacity.fit_mixed(demand, curves, num_prefill, num_decode, config,
+                                  prefill=prefill)
+    if shape is Shape.DISAGG and prefill is not None:
+        return capacity.fit_disagg(demand, curves, num_prefill, num_decode, config, prefill)
     return capacity.fit_at(shape.layout, demand, curves, num_prefill, num_decode, config)
 
 
 def max_rate(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
-             workload: WorkloadHint, config: PlannerConfig) -> float:
+             workload: WorkloadHint, config: PlannerConfig, wide: Curves | None = None
+             ) -> float:
     """The highest arrival rate at which the predicted TTFT (at the attainment quantile)
     and TPOT meet config's SLOs; 0 when they are missed even unloaded. Predictions grow
     with the rate (more sequences per step, longer queues): bisect."""
     def meets(rate: float) -> bool:
-        fit = _fit(shape, curves, num_prefill, num_decode, workload, rate, config)
+        fit = _fit(shape, curves, num_prefill, num_decode, workload, rate, config, wide)
         return fit.ttft_s <= config.slo_ttft_s and fit.tpot_s <= config.slo_tpot_s
 
     lo, hi = 0.0, 1e-3
@@ -254,11 +292,14 @@ def max_rate(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
 
 def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
                   slo: SLOTarget | None, cores: int, *, threads_per_worker: int | None = None,
-                  kinds: Collection[Shape] = tuple(Shape)) -> LayoutChoice:
+                  kinds: Collection[Shape] = tuple(Shape), borrow: bool = False
+                  ) -> LayoutChoice:
     """The layout for `cores` cores (see the module docstring). `curves_by_threads`: one
     worker's cost curves at each thread count (candidate_threads says which are needed;
     a candidate whose count is missing is not considered). `slo` None: default_slo.
-    `kinds`: the shapes to compare (agg always is)."""
+    `kinds`: the shapes to compare (agg always is). `borrow`: prefill workers borrow the
+    decode workers' cores (ServeConfig.prefill_borrows_cores; not with a fixed
+    threads_per_worker), modeled where the curves at their thread count were measured."""
     shapes = [s for s in candidate_shapes(cores, threads_per_worker)
               if s[3] in curves_by_threads and (s[0] in kinds or s[0] is Shape.AGG)]
     if not shapes:
@@ -272,10 +313,13 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
     found = []
     for shape, num_p, num_d, threads in shapes:
         curves = curves_by_threads[threads]
+        lent = (lent_threads(num_p, num_d, threads)
+                if borrow and threads_per_worker is None and num_p else None)
+        wide = curves_by_threads.get(lent) if lent else None
         found.append(Candidate(
             shape, num_p, num_d, threads,
-            max_rate(shape, curves, num_p, num_d, workload, config),
-            _fit(shape, curves, num_p, num_d, workload, 0.0, config)))
+            max_rate(shape, curves, num_p, num_d, workload, config, wide),
+            _fit(shape, curves, num_p, num_d, workload, 0.0, config, wide)))
     best = max(found, key=lambda c: c.max_rate)
     if best.max_rate > 0:
         close = [c for c in found if c.max_rate >= TIE_SHARE * best.max_rate]
