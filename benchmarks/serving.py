@@ -47,7 +47,6 @@ from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # no
                                write_section)
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
-DISAGG = "disagg (1 prefill + 1 decode worker, the prefill worker borrowing the decode core)"
 
 
 def prompt_ids(rep: int) -> list[int]:
@@ -216,11 +215,8 @@ def main() -> int:
         from benchmarks.serving_load import run_decode_load
         return run_decode_load(args.baseline_rev, args.quick, args.reps or 9, args.output)
     reps, instances = (2, 1) if args.quick else (args.reps or 5, args.instances)
-    # Each served setup against the engine alone on the cores its TTFT and its TPOT ran on:
-    # disagg's prefill worker borrows the decode worker's core (both cores, cluster/specs.py)
-    # and its decode worker has one.
-    base = {DISAGG: ("engine, 2 cores", "engine, 1 core"),
-            "agg (1 worker, 2 cores)": ("engine, 2 cores", "engine, 2 cores")}
+    base = {"disagg (1 prefill + 1 decode, 1 core each)": "engine, 1 core",
+            "agg (1 worker, 2 cores)": "engine, 2 cores"}
     runs: dict[str, list[Timing]] = {}
     monitor = CpuMonitor().start()
     # Fresh processes of every setup, `instances` times: two starts of the same server
@@ -233,7 +229,7 @@ def main() -> int:
         setups: dict[str, OfflineEngine | Served] = {
             "engine, 1 core": OfflineEngine(1, [1]),
             "engine, 2 cores": OfflineEngine(2, [0, 1]),
-            DISAGG: Served(
+            "disagg (1 prefill + 1 decode, 1 core each)": Served(
                 ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
             "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
         }
@@ -256,17 +252,16 @@ def main() -> int:
     for name, timings in runs.items():
         ttft = median([t.ttft_s for t in timings]) * 1000
         tpot = median([t.tpot_s for t in timings]) * 1000
-        refs = base.get(name)
-        if refs is None:
+        ref = base.get(name)
+        if ref is None:
             rows.append([name, f"{ttft:.1f}", f"{tpot:.2f}", "-", "-", "-", "-"])
             continue
         client = median([t.client_s for t in timings]) * 1000
-        pairs = list(zip(timings, runs[refs[0]]))
-        by_tpot = list(zip(timings, runs[refs[1]]))
+        pairs = list(zip(timings, runs[ref]))
         d_ttft = median([(a.ttft_s - b.ttft_s) * 1000 for a, b in pairs])
-        d_tpot = median([(a.tpot_s - b.tpot_s) * 1000 for a, b in by_tpot])
+        d_tpot = median([(a.tpot_s - b.tpot_s) * 1000 for a, b in pairs])
         r_ttft = median([a.ttft_s / b.ttft_s for a, b in pairs])
-        r_tpot = median([a.tpot_s / b.tpot_s for a, b in by_tpot])
+        r_tpot = median([a.tpot_s / b.tpot_s for a, b in pairs])
         d_event = median([(a.first_event_s - b.ttft_s) * 1000 for a, b in pairs
                           if a.first_event_s is not None])
         r_event = median([a.first_event_s / b.ttft_s for a, b in pairs
@@ -284,9 +279,8 @@ def main() -> int:
         "(SIGSTOP), so their idle wake-ups do not preempt the measured one. "
         "Served = `splitserve serve` + openai client over "
         "HTTP/SSE; disagg uses `--disagg-policy always` (every request: prefill worker -> "
-        "KV transfer over TCP -> decode worker; the prefill worker on both cores, the decode "
-        "worker's borrowed, the decode worker on one). Overhead = served minus the engine "
-        "alone on the cores the served TTFT and TPOT ran on (disagg: 2 and 1). A served TTFT starts when the openai client hands the request "
+        "KV transfer over TCP -> decode worker). Overhead = served minus the engine alone "
+        "on the same cores. A served TTFT starts when the openai client hands the request "
         "to its HTTP transport; the client library's own time before that (building the "
         "request in the benchmark's process) is the last column, not the server's tax. "
         "\"At the first event\": the TTFT overhead when the response's first bytes (the "

@@ -107,7 +107,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-borrows-cores", action=argparse.BooleanOptionalAction,
                    default=None, help="disagg: each prefill worker also runs, at the lowest "
                    "priority, on its share of the decode workers' cores, idle ones lent, "
-                   "busy ones yielded (default: yes, local workers on split cores)")
+                   "busy ones yielded (default: no; a steady decode load starves it)")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")

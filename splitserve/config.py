@@ -239,9 +239,11 @@ class ServeConfig:
     # disagg on this machine's cores: each prefill worker also runs threads on its share of
     # the decode pool's cores, at the lowest priority (nice 19), so it prefills on every
     # core decode leaves idle and the decode workers (and the frontend) preempt it at once
-    # when they run (cluster/specs.py). Off where the threads or cores are set by hand,
-    # the planner resizes the pools, or workers run on Ray.
-    prefill_borrows_cores: bool = True
+    # when they run (cluster/specs.py). Not where the threads or cores are set by hand, the
+    # planner resizes the pools, or workers run on Ray. Off by default: under a steady
+    # decode load the preempted thread stalls its team (a prefill's TTFT 1.85x at one
+    # decoding stream, 4.4x at 16: docs/benchmarks.md, "TTFT under decode load").
+    prefill_borrows_cores: bool = False
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"

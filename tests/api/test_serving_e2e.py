@@ -64,9 +64,10 @@ def reference(offline: LLM) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def disagg(start_server: Any) -> Any:
     # "always": every request goes prefill worker -> KV transfer -> decode worker. The
-    # cores as serve splits them by default: the prefill worker borrows the decode
-    # worker's (one thread there at nice 19, preempted whenever the decode worker runs).
-    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS[2:])
+    # prefill worker borrows the decode worker's core (--prefill-borrows-cores: one thread
+    # there at nice 19, preempted whenever the decode worker runs): outputs must not change.
+    return start_server("--mode", "disagg", "--disagg-policy", "always",
+                        "--prefill-borrows-cores", *FLAGS[2:])
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def _thread_nices(pid: int) -> set[int]:
 
 
 def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
-    server = start_server("--mode", "disagg", *FLAGS[2:])  # the cores split by default
+    server = start_server("--mode", "disagg", "--prefill-borrows-cores", *FLAGS[2:])
     pids = server.worker_pids()
     titles = _titles()
     assert titles[server.proc.pid].startswith("splitserve-frontend")

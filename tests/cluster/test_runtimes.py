@@ -99,16 +99,17 @@ def test_workers_the_planner_adds_do_not_oversubscribe_the_cores() -> None:
 
 def test_prefill_workers_borrow_the_decode_cores_at_the_lowest_priority(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """disagg on split cores: each prefill worker is pinned to its own cores and to its
-    share of the decode workers' (each lent once), one thread on each, nice 19; decode
-    workers keep theirs. Off by flag, with cores or threads set by hand, the planner on,
-    in agg, or on Ray."""
+    """--prefill-borrows-cores, disagg on split cores: each prefill worker is pinned to its
+    own cores and to its share of the decode workers' (each lent once), one thread on
+    each, nice 19; decode workers keep theirs. Off by default, with cores or threads set
+    by hand, the planner on, in agg, or on Ray."""
     import os
 
     from splitserve.cluster.specs import BORROWER_NICE, lend_cores, worker_specs
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
 
     def layout(**kw: object) -> list[tuple[str, tuple[int, ...] | None, int, int | None]]:
+        kw.setdefault("prefill_borrows_cores", True)
         specs = worker_specs(ServeConfig(**kw), "tcp://127.0.0.1:1")  # type: ignore[arg-type]
         return [(s.worker_id, s.cpu_cores, s.nice, s.num_threads) for s in specs]
 
@@ -122,6 +123,7 @@ def test_prefill_workers_borrow_the_decode_cores_at_the_lowest_priority(
         ("decode-1", (4, 5), 5, 2)]
     plain = [("prefill-0", (0, 1, 2), 5, 3), ("decode-0", (3, 4, 5), 5, 3)]
     assert layout(mode="disagg", prefill=1, decode=1, prefill_borrows_cores=False) == plain
+    assert not ServeConfig().prefill_borrows_cores  # opt-in
     assert layout(mode="disagg", prefill=1, decode=1, worker_nice=0)[0][2] == BORROWER_NICE
     assert layout(mode="disagg", prefill=1, decode=1, worker_cores=[[0, 1, 2], [3, 4, 5]]
                   ) == plain
