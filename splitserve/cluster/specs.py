@@ -4,10 +4,10 @@ arguments, store options), and the key their disk tiers derive tenant keys from.
 With --prefill-borrows-cores (ServeConfig.prefill_borrows_cores, off by default) a prefill
 worker of a disaggregated layout on this machine's cores borrows the decode pool's: pinned
 to its own share and to its share of the decode workers', one thread on each, at the
-lowest priority (nice 19). A decode worker
-is idle between requests (a prompt-heavy load's decode core mostly is): its core then
-prefills too, and when it decodes the kernel preempts the borrower's thread there at once
-(its tasks go to the borrower's other threads: kernels/csrc/tasks.h). Measured on a Zen 4,
+lowest priority (nice 19). A decode worker is idle between requests (a prompt-heavy load's
+decode core mostly is): its core then prefills too, and when it decodes the kernel
+preempts the borrower's thread there at once (its tasks go to the borrower's other
+threads: kernels/csrc/tasks.h). Measured on a Zen 4,
 2 cores, a 1,549-token prefill: 1.23 s with the decode core idle against 2.49 s on one
 core; 2.65 s while a decode runs there without pause, whose steps took 5% longer. But
 served, under a steady decode load, its TTFT was 1.85x the unborrowed one at one decoding
@@ -16,10 +16,9 @@ the op's barrier while the decode worker, the frontend and the client keep its c
 (docs/benchmarks.md, "TTFT under decode load", 2026-11-30). Hence opt-in."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
-
-import logging
 
 from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.protocol import Role
