@@ -7,9 +7,9 @@ to its own share and to its share of the decode workers', one thread on each, at
 lowest priority (nice 19). A decode worker is idle between requests (a prompt-heavy load's
 decode core mostly is): its core then prefills too, and when it decodes the kernel
 preempts the borrower's thread there at once (its tasks go to the borrower's other
-threads: kernels/csrc/tasks.h). Measured on a Zen 4,
-2 cores, a 1,549-token prefill: 1.23 s with the decode core idle against 2.49 s on one
-core; 2.65 s while a decode runs there without pause, whose steps took 5% longer. But
+threads: kernels/csrc/tasks.h). Measured on a Zen 4, 2 cores, a 1,549-token prefill:
+1.23 s with the decode core idle against 2.49 s on one core; 2.65 s while a decode runs
+there without pause, whose steps took 5% longer. But
 served, under a steady decode load, its TTFT was 1.85x the unborrowed one at one decoding
 stream and 4.4x at 16: a borrowed thread preempted inside a task holds its whole team at
 the op's barrier while the decode worker, the frontend and the client keep its core
