@@ -29,6 +29,7 @@ from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostMod
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime
 from splitserve.cluster.specs import store_key, store_options, worker_specs
+from splitserve.cluster.worker.lending import remove_leases
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import ServeConfig
 
@@ -374,4 +375,5 @@ class Cluster:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await asyncio.to_thread(self.runtime.shutdown, self.handles)
+        remove_leases({p for handle in self.handles for p in handle.spec.leases})
         self.handles = []

@@ -2,34 +2,29 @@
 arguments, store options), and the key their disk tiers derive tenant keys from.
 
 With --prefill-borrows-cores (ServeConfig.prefill_borrows_cores, off by default) a prefill
-worker of a disaggregated layout on this machine's cores borrows the decode pool's: pinned
-to its own share and to its share of the decode workers', one thread on each, at the
-lowest priority (nice 19). A decode worker is idle between requests (a prompt-heavy load's
-decode core mostly is): its core then prefills too, and when it decodes the kernel
-preempts the borrower's thread there at once (its tasks go to the borrower's other
-threads: kernels/csrc/tasks.h). Measured on a Zen 4, 2 cores, a 1,549-token prefill:
-1.23 s with the decode core idle against 2.49 s on one core; 2.65 s while a decode runs
-there without pause, whose steps took 5% longer. But
-served, under a steady decode load, its TTFT was 1.85x the unborrowed one at one decoding
-stream and 4.4x at 16: a borrowed thread preempted inside a task holds its whole team at
-the op's barrier while the decode worker, the frontend and the client keep its core
-(docs/benchmarks.md, "TTFT under decode load", 2026-11-30). Hence opt-in."""
+worker of a disaggregated layout on this machine's cores borrows the decode pool's: a
+helper thread on each core of its round-robin share of them, at nice 19, takes tasks of
+its ops while the decode worker there has nothing to step (cluster/worker/lending.py,
+model/kernels/csrc/helpers.h). Measured on a Zen 4, 2 cores, a 1,549-token prefill:
+1.23 s with the decode core idle against 2.49 s on one core. (Its first form, a team
+member on the lent core, was preempted inside its tasks by every decode step and held the
+team at each op's barrier: TTFT 1.85x the unborrowed one at one decoding stream, 4.4x at
+16; docs/benchmarks.md, "TTFT under decode load", 2026-11-30.)"""
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 from typing import Any
 
 from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.runtime import split_cores
+from splitserve.cluster.worker.lending import lease_path
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import KVStoreConfig, ServeConfig
 
 logger = logging.getLogger(__name__)
-
-BORROWER_NICE = 19  # a prefill worker on lent cores: every other process there goes first
-
 
 def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
     """One spec per worker: prefill workers first, then decode (or `both` in agg mode),
@@ -60,6 +55,8 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
     if (config.mode == "disagg" and config.prefill_borrows_cores and threads is None
             and config.worker_cores is None and config.runtime == "local" and num_prefill):
         borrowed = lend_cores(cores[0], cores[1])
+    tag = f"splitserve-{os.getpid()}-{secrets.token_hex(4)}"  # this server's lease files
+    lent = {c for share in borrowed for c in share}
     # An idle worker's heartbeat: often enough that a few lost ones do not kill it.
     heartbeat_s = min(1.0, config.deadlines.heartbeat_timeout_s / 4)
     specs = []
@@ -68,14 +65,16 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
             engine_args = dict(config.engine_args())
             if threads:
                 engine_args["num_threads"] = threads
-            mine, nice = pool_cores[index], config.worker_nice
-            if role is Role.PREFILL and borrowed[index]:
-                mine, nice = mine + borrowed[index], max(nice, BORROWER_NICE)
-                logger.info("prefill-%d borrows the decode workers' cores %s at nice %d",
-                            index, borrowed[index], nice)
+            mine = pool_cores[index]
+            helped = borrowed[index] if role is Role.PREFILL else ()
+            leases = tuple(lease_path(tag, c) for c in (helped if role is Role.PREFILL
+                                                      else [c for c in mine if c in lent]))
+            if helped:
+                logger.info("prefill-%d borrows the decode workers' cores %s", index, helped)
             specs.append(WorkerSpec(role=role, index=index, epoch=1,
                                     frontend_address=frontend_address, engine_args=engine_args,
-                                    cpu_cores=mine or None, nice=nice,
+                                    cpu_cores=mine or None, nice=config.worker_nice,
+                                    borrowed_cores=helped, leases=leases,
                                     kv_transport=config.kv_transport,
                                     fault_injection=config.enable_fault_injection,
                                     heartbeat_interval_s=heartbeat_s,

@@ -27,12 +27,22 @@ def _titles() -> dict[int, str]:
     return titles
 
 
-def _thread_nices(pid: int) -> set[int]:
-    nices = set()
+def _thread_nice(pid: int) -> dict[int, int]:
+    nices = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19: nice
+            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
     return nices
+
+
+def _thread_nices(pid: int) -> set[int]:
+    return set(_thread_nice(pid).values())
+
+
+def _leases(frontend: int) -> list[str]:
+    """The lease files of the server whose frontend is `frontend` (cluster/specs.py)."""
+    from splitserve.cluster.worker.lending import lease_dir
+    return sorted(n for n in os.listdir(lease_dir()) if n.startswith(f"splitserve-{frontend}-"))
 
 
 def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
@@ -43,16 +53,25 @@ def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
     assert sorted(titles[p].split()[0] for p in pids) == ["splitserve-decode-0",
                                                           "splitserve-prefill-0"]
     # Every thread of a worker (engine, OpenMP, ZeroMQ, KV) runs --worker-nice (5) nicer
-    # than the frontend, whose own threads keep its niceness; the prefill worker, which
-    # borrows the decode worker's cores, runs at 19 (each pinned as cluster/specs.py says).
+    # than the frontend, whose own threads keep its niceness, pinned to the worker's
+    # cores; but the prefill worker's helper threads, one on each core the decode worker
+    # lends it, at 19 (cluster/worker/lending.py), each with that core's lease file.
     [front] = _thread_nices(server.proc.pid)
     cores = os.sched_getaffinity(server.proc.pid)
     roles = {titles[p].split()[0]: p for p in pids}
     prefill, decode = roles["splitserve-prefill-0"], roles["splitserve-decode-0"]
-    assert _thread_nices(decode) == {min(19, front + 5)}
+    worker_nice = min(19, front + 5)
+    assert _thread_nices(decode) == {worker_nice}
     assert os.sched_getaffinity(decode) < cores or len(cores) == 1
     if len(cores) > 1:
-        assert _thread_nices(prefill) == {19} and os.sched_getaffinity(prefill) == cores
+        lent = os.sched_getaffinity(decode)
+        assert os.sched_getaffinity(prefill) == cores - lent
+        nices = _thread_nice(prefill)
+        helpers = sorted(tid for tid, nice in nices.items() if nice == 19)
+        assert {nices[t] for t in nices if t not in helpers} == {worker_nice}
+        assert sorted(c for t in helpers for c in os.sched_getaffinity(t)) == sorted(lent)
+        assert sorted(n.rsplit("-core", 1)[1] for n in _leases(server.proc.pid)) == sorted(
+            f"{c}.lease" for c in lent)
     # Each process froze its startup heap before serving (cluster/heap.py).
     frozen = re.findall(r"(\S+): froze the startup heap \((\d+) objects\)", server.log())
     assert sorted(name for name, _ in frozen) == ["decode-0", "frontend", "prefill-0"], frozen
@@ -62,6 +81,7 @@ def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
              "zombie" not in open(f"/proc/{p}/status").read().lower()]
     assert not alive, f"workers left behind: {alive}"
+    assert not _leases(server.proc.pid), "lease files left behind"
 
 
 def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:

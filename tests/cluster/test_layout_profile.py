@@ -34,10 +34,14 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     # Measured: costs grow with the prompt and with the batch, none is free.
     assert 0 < first.prefill(32) < first.prefill(128) < first.prefill(256) < 10
     assert 0 < first.decode(1) <= first.decode(4) < 2
+    # A step reads every token of its context: a batch-1 step after a ~500-token prompt
+    # costs more than one after 16 (SHORT caps decode_context_tokens at max_model_len).
+    assert 0 < first.decode_per_context_s < first.decode(1) / 100
     key = profile_key(ARGS, 1)
     assert key.batch_invariant in (True, False) and key.dtype == "bfloat16"
     [entry] = json.loads(path.read_text())["entries"].values()
     assert (entry["key"]["threads"], entry["key"]["fingerprint"]) == (1, key.fingerprint)
+    assert entry["decode_per_context_s"] == first.decode_per_context_s
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("measured although the cache holds the key")
@@ -115,7 +119,7 @@ def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:
     key = profile.ProfileKey("f", "bfloat16", True, 1, "cpu", 512, 1000.0)
     cache = ProfileCache(path)
     assert cache.load() == {} and cache.get(key) is None
-    curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0))
+    curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0), 3e-6)
     cache.put({key: curves})
     assert cache.get(key) == curves and cache.get(replace(key, threads=2)) is None
 
@@ -131,6 +135,18 @@ def test_timings_that_fit_no_curve_are_refused() -> None:
     assert good.decode(32) == pytest.approx(0.06, rel=0.1)
     with pytest.raises(LayoutProfileError, match="3 sizes"):  # a line needs 3 sizes here
         fit_curves([(128, 0.1), (512, 0.4), (1024, 0.9)], [(1, 0.02), (8, 0.03), (1, 0.02)])
+
+
+def test_the_step_cost_per_context_token_comes_from_the_long_context_steps() -> None:
+    """(context, seconds) of batch-1 steps after a long prompt, against the fitted batch-1
+    step at the decode samples' short context: the fastest long step's excess per token."""
+    prefill = [(32, 0.031), (128, 0.068), (256, 0.141)]
+    decode = [(1, 0.007), (8, 0.017), (32, 0.05)]
+    curves = fit_curves(prefill, decode, [(1026, 0.0140), (1026, 0.0131)], short_context=18)
+    assert curves.decode_per_context_s == pytest.approx((0.0131 - curves.decode(1)) / 1008)
+    assert fit_curves(prefill, decode).decode_per_context_s == 0.0  # none measured
+    # A long step measured faster than a short one (noise): no negative cost
+    assert fit_curves(prefill, decode, [(1026, 0.005)], 18).decode_per_context_s == 0.0
 
 
 def test_a_flat_decode_step_fits_through_its_noise() -> None:

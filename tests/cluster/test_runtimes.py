@@ -97,41 +97,49 @@ def test_workers_the_planner_adds_do_not_oversubscribe_the_cores() -> None:
     assert launcher._thread_share(fixed)["num_threads"] == 2  # --threads-per-worker wins
 
 
-def test_prefill_workers_borrow_the_decode_cores_at_the_lowest_priority(
+def test_prefill_workers_borrow_the_decode_cores_through_leases(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """--prefill-borrows-cores, disagg on split cores: each prefill worker is pinned to its
-    own cores and to its share of the decode workers' (each lent once), one thread on
-    each, nice 19; decode workers keep theirs. Off by default, with cores or threads set
-    by hand, the planner on, in agg, or on Ray."""
+    """--prefill-borrows-cores, disagg on split cores: each prefill worker keeps its own
+    cores and threads and gets a helper on each core of its share of the decode workers'
+    (each lent once), with that core's lease; a decode worker holds the leases of the
+    cores it lends. Off by default, with cores or threads set by hand, the planner on, in
+    agg, or on Ray."""
     import os
 
-    from splitserve.cluster.specs import BORROWER_NICE, lend_cores, worker_specs
+    from splitserve.cluster.specs import lend_cores, worker_specs
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
 
-    def layout(**kw: object) -> list[tuple[str, tuple[int, ...] | None, int, int | None]]:
+    def layout(**kw: object) -> list[tuple[object, ...]]:
         kw.setdefault("prefill_borrows_cores", True)
         specs = worker_specs(ServeConfig(**kw), "tcp://127.0.0.1:1")  # type: ignore[arg-type]
-        return [(s.worker_id, s.cpu_cores, s.nice, s.num_threads) for s in specs]
+        return [(s.worker_id, s.cpu_cores, s.nice, s.num_threads, s.borrowed_cores,
+                 tuple(p.rsplit("-", 1)[-1] for p in s.leases)) for s in specs]
 
     assert layout(mode="disagg", prefill=1, decode=1) == [
-        ("prefill-0", (0, 1, 2, 3, 4, 5), BORROWER_NICE, 6), ("decode-0", (3, 4, 5), 5, 3)]
+        ("prefill-0", (0, 1, 2), 5, 3, (3, 4, 5), ("core3.lease", "core4.lease", "core5.lease")),
+        ("decode-0", (3, 4, 5), 5, 3, (), ("core3.lease", "core4.lease", "core5.lease"))]
     assert layout(mode="disagg", prefill=2, decode=1) == [
-        ("prefill-0", (0, 1, 4), BORROWER_NICE, 3),
-        ("prefill-1", (2, 3, 5), BORROWER_NICE, 3), ("decode-0", (4, 5), 5, 2)]
-    assert layout(mode="disagg", prefill=1, decode=2) == [
-        ("prefill-0", (0, 1, 2, 3, 4, 5), BORROWER_NICE, 6), ("decode-0", (2, 3), 5, 2),
-        ("decode-1", (4, 5), 5, 2)]
-    plain = [("prefill-0", (0, 1, 2), 5, 3), ("decode-0", (3, 4, 5), 5, 3)]
+        ("prefill-0", (0, 1), 5, 2, (4,), ("core4.lease",)),
+        ("prefill-1", (2, 3), 5, 2, (5,), ("core5.lease",)),
+        ("decode-0", (4, 5), 5, 2, (), ("core4.lease", "core5.lease"))]
+    assert [s[4] for s in layout(mode="disagg", prefill=1, decode=2)] == [(2, 3, 4, 5), (), ()]
+    specs = worker_specs(ServeConfig(mode="disagg", prefill=1, decode=1,
+                                     prefill_borrows_cores=True), "tcp://127.0.0.1:1")
+    assert specs[0].leases == specs[1].leases  # the same files
+    assert all(p.startswith(("/dev/shm/", "/tmp/")) for p in specs[0].leases)
+    plain = [("prefill-0", (0, 1, 2), 5, 3, (), ()), ("decode-0", (3, 4, 5), 5, 3, (), ())]
     assert layout(mode="disagg", prefill=1, decode=1, prefill_borrows_cores=False) == plain
     assert not ServeConfig().prefill_borrows_cores  # opt-in
-    assert layout(mode="disagg", prefill=1, decode=1, worker_nice=0)[0][2] == BORROWER_NICE
     assert layout(mode="disagg", prefill=1, decode=1, worker_cores=[[0, 1, 2], [3, 4, 5]]
                   ) == plain
-    assert layout(mode="disagg", prefill=1, decode=1, threads_per_worker=3) == plain
-    assert [s[1:3] for s in layout(mode="disagg", prefill=0, decode=1, planner="on",
-                                   slo_ttft_ms=1000, slo_tpot_ms=100)] == [((0, 1, 2, 3, 4, 5), 5)]
-    assert all(s[2] == 5 for s in layout(mode="agg", decode=2))
-    assert all(s[2] == 5 for s in layout(mode="disagg", prefill=1, decode=1, runtime="ray"))
+    assert [s[:2] + s[3:] for s in layout(mode="disagg", prefill=1, decode=1,
+                                          threads_per_worker=3)] == [
+        (w, c, 3, (), ()) for w, c, *_ in plain]
+    assert [s[4:] for s in layout(mode="disagg", prefill=0, decode=1, planner="on",
+                                  slo_ttft_ms=1000, slo_tpot_ms=100)] == [((), ())]
+    assert all(s[4:] == ((), ()) for s in layout(mode="agg", decode=2))
+    assert all(s[4:] == ((), ()) for s in layout(mode="disagg", prefill=1, decode=1,
+                                                  runtime="ray"))
     # With fewer cores than workers, pools share cores: nothing is left to lend.
     assert lend_cores([(0,)], [(0,)]) == [()]
     assert lend_cores([(0,), (1,)], [(2,)]) == [(2,), ()]

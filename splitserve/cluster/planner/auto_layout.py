@@ -103,7 +103,8 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
         logger.warning("--mode auto could not measure this machine: %s", exc)
         return _given(replace(config, mode="disagg"),
                       f"measuring the cost curves failed ({exc}): disagg, the former default")
-    by_threads = {t: Curves(c.prefill, c.decode, config.max_num_seqs)
+    by_threads = {t: Curves(c.prefill, c.decode, config.max_num_seqs,
+                            decode_per_context_s=c.decode_per_context_s)
                   for t, c in found.items()}
     hint = WorkloadHint(*config.workload_tokens)
     kinds = _KINDS[config.disagg_policy]

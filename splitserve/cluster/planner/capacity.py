@@ -54,12 +54,19 @@ class Curves(NamedTuple):
     max_num_seqs: int
     prefill_factor: float = 1.0
     decode_factor: float = 1.0
+    # What a step adds per sequence per token of its context (profile.py), and the
+    # workload's mean context over a decode (layout.py: prompt + half the output); the
+    # planner's live curves are fitted on the contexts the workers run (0, 0).
+    decode_per_context_s: float = 0.0
+    context_tokens: float = 0.0
 
     def prefill_s(self, tokens: float) -> float:
         return self.prefill(tokens) * self.prefill_factor if tokens > 0 else 0.0
 
     def step_s(self, num_seqs: int) -> float:
-        return self.decode(max(num_seqs, 1)) * self.decode_factor
+        n = max(num_seqs, 1)
+        return (self.decode(n) + n * self.context_tokens * self.decode_per_context_s
+                ) * self.decode_factor
 
     def max_batch(self, tpot_s: float) -> int:
         """The largest batch whose step fits in tpot_s (0 when not even one does)."""

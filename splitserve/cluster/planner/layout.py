@@ -218,12 +218,21 @@ def candidate_threads(cores: int, threads_per_worker: int | None = None) -> list
     return sorted({t for *_, t in candidate_shapes(cores, threads_per_worker)})
 
 
+def at_context(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint
+               ) -> dict[int, Curves]:
+    """The curves with their decode steps costed at the workload's mean context over a
+    decode: its prompt and half its output."""
+    context = workload.prompt_tokens + workload.output_tokens / 2
+    return {t: c._replace(context_tokens=context) for t, c in curves_by_threads.items()}
+
+
 def default_slo(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
                 quantile: float = PlannerConfig.attainment_target) -> SLOTarget:
     """Targets from the measured costs, for when none are given (see the factors): the
     TTFT's yardstick is the prefill of the hint's prompt at the attainment quantile (its
-    mean prompt when no spread is given)."""
-    curves = curves_by_threads[min(curves_by_threads)]
+    mean prompt when no spread is given); the TPOT's, a batch-1 step at the workload's
+    mean context."""
+    curves = at_context(curves_by_threads, workload)[min(curves_by_threads)]
     prompt = capacity.prefill_service(workload.demand(0.0, 1.0), curves, quantile,
                                       unknown_cv2=0.0)
     return SLOTarget(DEFAULT_TTFT_FACTOR * prompt.tail_s,
@@ -299,7 +308,9 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
     a candidate whose count is missing is not considered). `slo` None: default_slo.
     `kinds`: the shapes to compare (agg always is). `borrow`: prefill workers borrow the
     decode workers' cores (ServeConfig.prefill_borrows_cores; not with a fixed
-    threads_per_worker), modeled where the curves at their thread count were measured."""
+    threads_per_worker), modeled where the curves at their thread count were measured.
+    Decode steps are costed at the workload's mean context (at_context)."""
+    curves_by_threads = at_context(curves_by_threads, workload)
     shapes = [s for s in candidate_shapes(cores, threads_per_worker)
               if s[3] in curves_by_threads and (s[0] in kinds or s[0] is Shape.AGG)]
     if not shapes:

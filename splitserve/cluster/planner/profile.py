@@ -34,7 +34,7 @@ from splitserve.errors import LayoutProfileError
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_PROFILE_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the decode step's cost per token of context
 # The child loads the model (~10 s on 2 cores, more the first time the exact kernels
 # are built) and measures for ~5 s per thread count on an idle machine: far inside this.
 PROFILE_TIMEOUT_S = 240.0
@@ -55,6 +55,10 @@ class ProfilePlan:
     # (a neighbour's burst) lands on different sizes in each, and each size's fastest
     # step counts, where one ascending pass let it slow only the smallest batches.
     decode_repeats: int = 2
+    # Batch-1 decode steps with this much context as well (capped below max_model_len):
+    # a step's attention reads every token of each sequence's context, which at 2K tokens
+    # doubled a one-core step of the default model (7 -> 14 ms, goodput table (a)).
+    decode_context_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if min(self.prefill_tokens, default=0) < 1 or min(self.decode_batches, default=0) < 1:
@@ -87,7 +91,8 @@ class CostCurves(NamedTuple):
     """One worker's curves at one thread count, in seconds."""
 
     prefill: Quadratic  # a whole prompt of t uncached tokens (every chunk's step)
-    decode: Quadratic  # one decode step over n running sequences
+    decode: Quadratic  # one decode step over n running sequences of (almost) no context
+    decode_per_context_s: float = 0.0  # what a step adds per sequence per context token
 
 
 # Flags that pick the kernels' code path (exact kernels: avx2 or avx512_bf16; oneDNN: AMX).
@@ -163,11 +168,14 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
                       engine_code_digest())
 
 
-def fit_curves(prefill: Sequence[tuple[int, float]],
-               decode: Sequence[tuple[int, float]]) -> CostCurves:
+def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int, float]],
+               context: Sequence[tuple[int, float]] = (), short_context: int = 0
+               ) -> CostCurves:
     """The router's fits over the samples, (tokens, seconds) and (sequences, seconds),
     through each curve's envelope (`_envelope`): the curves are meant to be the cost on
-    cores of their own. Needs 3 sizes of each."""
+    cores of their own. Needs 3 sizes of each. `context`: (context tokens, seconds) of
+    batch-1 steps at a long context, against the decode samples' `short_context`: their
+    fastest over the fitted batch-1 step, per token more (never negative)."""
     prefill_model = PrefillCostModel(_fit_config(prefill))
     decode_model = DecodeStepModel(_fit_config(decode))
     for model, samples in ((prefill_model, prefill), (decode_model, decode)):
@@ -179,8 +187,12 @@ def fit_curves(prefill: Sequence[tuple[int, float]],
                                  f"{_fastest(decode)}): the machine was too busy to measure, "
                                  f"or max_model_len / max_num_seqs leave too few sizes; "
                                  f"choose --mode agg|disagg")
-    return CostCurves(Quadratic(*prefill_model.coefficients),
-                      Quadratic(*decode_model.coefficients))
+    decode_curve = Quadratic(*decode_model.coefficients)
+    per_context = 0.0
+    for tokens, seconds in _fastest(context)[-1:]:
+        if tokens > short_context:
+            per_context = max(0.0, (seconds - decode_curve(1)) / (tokens - short_context))
+    return CostCurves(Quadratic(*prefill_model.coefficients), decode_curve, per_context)
 
 
 # How far under a smaller size's time a larger size's may fall and still be noise.
@@ -249,8 +261,11 @@ def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
                     key.fingerprint, key.batch_invariant):
                 raise LayoutProfileError(f"the profiled engine is not the one keyed: "
                                          f"{result['fingerprint']} vs {key.fingerprint}")
-            curves[count] = fit_curves([(int(t), float(s)) for t, s in result["prefill"]],
-                                       [(int(n), float(s)) for n, s in result["decode"]])
+            curves[count] = fit_curves(
+                [(int(t), float(s)) for t, s in result["prefill"]],
+                [(int(n), float(s)) for n, s in result["decode"]],
+                [(int(c), float(s)) for c, s in result["decode_context"]],
+                int(result["short_context"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise LayoutProfileError(f"the profiling process answered {exc!r}") from exc
     if sorted(curves) != counts:
@@ -285,7 +300,8 @@ class ProfileCache:
         entry = self.load().get(key.cache_id)
         try:
             return CostCurves(Quadratic(*map(float, entry["prefill"])),  # type: ignore[index]
-                              Quadratic(*map(float, entry["decode"])))  # type: ignore[index]
+                              Quadratic(*map(float, entry["decode"])),  # type: ignore[index]
+                              float(entry["decode_per_context_s"]))  # type: ignore[index]
         except (TypeError, KeyError, ValueError):
             return None  # absent or malformed: measure again
 
@@ -293,7 +309,9 @@ class ProfileCache:
         entries = self.load()
         for key, curves in found.items():
             entries[key.cache_id] = {"key": asdict(key), "prefill": list(curves.prefill),
-                                     "decode": list(curves.decode), "measured_at": time.time()}
+                                     "decode": list(curves.decode),
+                                     "decode_per_context_s": curves.decode_per_context_s,
+                                     "measured_at": time.time()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # NOTE: a temporary file renamed over the old one: a reader (another server
         # starting) sees the whole old file or the whole new one, never half of either.

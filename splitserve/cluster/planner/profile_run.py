@@ -73,17 +73,28 @@ def measure_decode(engine: LLMEngine, rng: random.Random, batches: list[int],
     return samples
 
 
+def measure_context(engine: LLMEngine, rng: random.Random, plan: ProfilePlan,
+                    limit: int) -> list[tuple[int, float]]:
+    """(context tokens, seconds) of batch-1 decode steps after a long prompt (the context
+    each step reads, at its middle), `plan.decode_repeats` times."""
+    prompt = max(plan.decode_prompt_tokens, min(plan.decode_context_tokens,
+                                                limit - plan.decode_steps - 1))
+    context = prompt + plan.decode_steps // 2
+    return [(context, seconds) for repeat in range(plan.decode_repeats)
+            for seconds in _decode_batch(engine, rng, 1, plan, repeat, prompt)]
+
+
 def _decode_batch(engine: LLMEngine, rng: random.Random, batch: int, plan: ProfilePlan,
-                  repeat: int) -> list[float]:
-    ids = [f"decode-{repeat}-{batch}-{i}" for i in range(batch)]
+                  repeat: int, prompt_tokens: int | None = None) -> list[float]:
+    prompt_tokens = prompt_tokens or plan.decode_prompt_tokens
+    ids = [f"decode-{repeat}-{batch}-{prompt_tokens}-{i}" for i in range(batch)]
     # They decode until aborted below: however small the step budget's chunks, the
     # first admitted are still decoding when the last one joins them.
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for rid in ids:
-        engine.add_request(rid, _prompt(rng, engine.spec.vocab_size,
-                                        plan.decode_prompt_tokens), params)
+        engine.add_request(rid, _prompt(rng, engine.spec.vocab_size, prompt_tokens), params)
     timed = []
-    for _ in range(plan.decode_steps + batch * plan.decode_prompt_tokens + 4):
+    for _ in range(plan.decode_steps + batch * prompt_tokens + 4):
         engine.step()
         stats = engine.last_step
         assert stats is not None
@@ -124,7 +135,10 @@ def main() -> int:
         measure_prefill(engine, rng, sizes[:1], 1)  # warm-up: first-call costs
         prefill = measure_prefill(engine, rng, sizes, plan.prefill_repeats)
         decode = measure_decode(engine, rng, batches, plan)
+        context = measure_context(engine, rng, plan, limit)
         print(json.dumps({"threads": count, "prefill": prefill, "decode": decode,
+                          "decode_context": context,
+                          "short_context": plan.decode_prompt_tokens + plan.decode_steps // 2,
                           "fingerprint": engine.fingerprint,
                           "batch_invariant": engine.batch_invariant}), flush=True)
     return 0

@@ -20,6 +20,11 @@ class WorkerSpec:
     # Pin to these cores, with as many torch threads unless engine_args names a number
     # (--threads-per-worker, or a share of cores other workers use too).
     cpu_cores: tuple[int, ...] | None = None
+    # A prefill worker's helper threads (cluster/worker/lending.py): one on each core a
+    # decode worker lends it, each watching its lease (a file); a decode worker's leases
+    # on the cores it lends (borrowed_cores empty).
+    borrowed_cores: tuple[int, ...] = ()
+    leases: tuple[str, ...] = ()
     # Added to the process's niceness at start, before any thread (ServeConfig.worker_nice;
     # local workers: a Ray actor's process is Ray's).
     nice: int = 0
@@ -71,6 +76,7 @@ class WorkerSpec:
     @staticmethod
     def from_json(text: str) -> WorkerSpec:
         data = json.loads(text)
-        if data.get("cpu_cores") is not None:
-            data["cpu_cores"] = tuple(data["cpu_cores"])
+        for key in ("cpu_cores", "borrowed_cores", "leases"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
         return WorkerSpec(**data)

@@ -28,6 +28,7 @@ from splitserve.cluster.worker.reports import Reports
 from splitserve.cluster.worker.requests import RequestHandling
 from splitserve.cluster.worker.faults import FaultInjector
 from splitserve.cluster.worker.handoff import Handoffs
+from splitserve.cluster.worker.lending import Lending
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.cluster.worker.tiers import WorkerStore
 from splitserve.config import EngineConfig
@@ -50,6 +51,11 @@ class Worker(RequestHandling):
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
+        # Cores a decode worker lends a prefill worker (lending.py): the exact kernels'
+        # helper threads take them; without those kernels there is nothing to lend.
+        self.lending = (None if not (spec.leases and self.engine.batch_invariant) else
+                        Lending.borrow(spec.borrowed_cores, spec.leases)
+                        if spec.borrowed_cores else Lending.lend(spec.leases))
         self.store = WorkerStore.build(self.engine, spec.store, secret.store_key)
         # Every role sends KV: prefill workers their prefills, decode workers the running
         # sequences they hand over (live migration, Migrate).
@@ -78,6 +84,8 @@ class Worker(RequestHandling):
             self._take_adoption()
             self._receive(self._wait_s())
             self._inject(self.faults.fire("now"))
+            if self.lending is not None:
+                self.lending.busy(engine.has_unfinished)
             outputs = self._step()
             if outputs:
                 self.reports.step_done(engine)
@@ -317,6 +325,8 @@ class Worker(RequestHandling):
 
     def close(self) -> None:
         self._abort_all()
+        if self.lending is not None:
+            self.lending.close()
         self.sender.close()
         if self.receiver is not None:
             self.receiver.close()

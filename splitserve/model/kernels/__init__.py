@@ -73,7 +73,7 @@ def load() -> ModuleType:
                     name=build_dir.name, build_directory=str(build_dir),
                     sources=[str(_SRC / f) for f in ("exact.cpp", "attention.cpp",
                                                      "layers.cpp", "rope.cpp", "decoder.cpp",
-                                                     "operands.cpp")],
+                                                     "operands.cpp", "helpers.cpp")],
                     # no implicit FMA contraction: every rounding is the one written
                     extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False)

@@ -245,6 +245,7 @@ int64_t get_isa() { return active_isa(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   register_decoder(m);
+  register_helpers(m);
   m.def("linear", &linear, "batch-invariant linear over packed bf16 or int8 weights",
         py::arg("x"), py::arg("w_packed"), py::arg("N"), py::arg("bias") = py::none(),
         py::arg("scale") = py::none());

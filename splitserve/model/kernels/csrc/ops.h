@@ -32,6 +32,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
 // decoder.cpp
 void register_decoder(pybind11::module& m);
+void register_helpers(pybind11::module& m);  // helpers.cpp
 
 namespace exact {
 

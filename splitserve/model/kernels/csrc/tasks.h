@@ -1,6 +1,7 @@
 // How the exact kernels share work among threads: tasks a parallel region's threads take
-// between them (parallel_tasks), what a thread done early fetches meanwhile, and the team
-// a whole decoder call runs in (one parallel region for all of its ops).
+// between them (parallel_tasks), the team a whole decoder call runs in (one parallel
+// region for all of its ops), and the helper threads on cores another worker lends
+// (helpers.h), which take tasks too while that worker is idle.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -50,11 +51,13 @@ class TaskShares {
   }
   int64_t threads() const { return threads_; }
 
-  // Thread t's share of a new op's tasks [0, n). In a team (below) each thread sets its
-  // own as it starts the op; another that looks before finds the previous op's, used up.
-  void reset(int64_t t, int64_t n) {
-    share_[t].pair.store(pair(n * t / threads_, n * (t + 1) / threads_),
-                         std::memory_order_release);
+  // Thread t's share of a new op's tasks [0, n), of `parts` shares (all of them by
+  // default; the team's members alone when no helper takes part). In a team (below) each
+  // thread sets its own as it starts the op; another that looks before finds the previous
+  // op's, used up.
+  void reset(int64_t t, int64_t n, int64_t parts = 0) {
+    if (parts <= 0) parts = threads_;
+    share_[t].pair.store(pair(n * t / parts, n * (t + 1) / parts), std::memory_order_release);
   }
 
   // The next task of thread `me`'s share, else one from another share; false when none
@@ -85,16 +88,33 @@ class TaskShares {
   Share share_[kMaxThreads];
 };
 
-// One thread's view of the shares: `take(task)` until it returns false.
+// One thread's view of the shares: `take(task)` until it returns false. A helper's
+// (helpers.h) also stops at its lease's `stop` word: it takes no task more once the
+// worker that lent its core wants the core back.
 class Tasks {
  public:
-  Tasks(TaskShares& shares, int64_t me) : shares_(shares), me_(me) {}
-  bool take(int64_t& task) { return shares_.take(me_, task); }
+  Tasks(TaskShares& shares, int64_t me, const std::atomic<uint32_t>* stop = nullptr)
+      : shares_(shares), me_(me), stop_(stop) {}
+  bool take(int64_t& task) {
+    if (stop_ && stop_->load(std::memory_order_relaxed)) return false;
+    if (!shares_.take(me_, task)) return false;
+    ++taken_;
+    return true;
+  }
+  int64_t taken() const { return taken_; }
 
  private:
   TaskShares& shares_;
   const int64_t me_;
+  const std::atomic<uint32_t>* const stop_;
+  int64_t taken_ = 0;
 };
+
+}  // namespace exact
+
+#include "helpers.h"
+
+namespace exact {
 
 // A team: the threads of one parallel region that runs a whole decoder call (decoder.cpp).
 // With each op in a region of its own, a batch-1 step paid a region's start and end ~150
@@ -160,13 +180,23 @@ class Team {
 
   // parallel_tasks in a team: every thread calls it; each sets its own share, takes tasks,
   // and waits for the others.
+  // Helpers (helpers.h) take part in an op of 2 tasks or more: the master sets their
+  // shares, offers them the op, and waits for the tasks they hold before the barrier.
   template <typename F>
   void tasks(int64_t n, const F& worker) {
-    shares_.reset(me_, std::max<int64_t>(n, 0));
+    n = std::max<int64_t>(n, 0);
+    const bool helped = helpers_ > 0 && n > 1;
+    shares_.reset(me_, n, helped ? 0 : threads_);
+    bool offered = false;
+    if (helped && me_ == 0) {
+      for (int64_t t = threads_; t < shares_.threads(); ++t) shares_.reset(t, n);
+      offered = Helpers::get().open(shares_, threads_, worker);
+    }
     if (n > 0 && !failed_.load(std::memory_order_relaxed)) {
       Tasks mine(shares_, me_);
       worker(mine);
     }
+    if (offered) Helpers::get().close();
     barrier();
   }
 
@@ -176,7 +206,8 @@ class Team {
   }
 
  private:
-  explicit Team(int64_t threads) : threads_(threads), shares_(0, threads) {}
+  explicit Team(int64_t threads)
+      : threads_(threads), helpers_(Helpers::get().count()), shares_(0, threads + helpers_) {}
   // The pool gave fewer threads than asked: a team of one on the master.
   template <typename M>
   static void run_alone(Team& team, const M& member) {
@@ -185,6 +216,7 @@ class Team {
   }
 
   int64_t threads_;
+  const int64_t helpers_;
   TaskShares shares_;
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
@@ -232,11 +264,15 @@ void parallel_tasks(int64_t n, const F& worker) {
     return;
   }
   if (n <= 0) return;
-  TaskShares shares(n, std::min<int64_t>(n, at::get_num_threads()));
-  at::parallel_for(0, shares.threads(), 1, [&](int64_t me, int64_t) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  const int64_t helpers = n > threads ? Helpers::get().count() : 0;
+  TaskShares shares(n, threads + helpers);
+  const bool offered = helpers && Helpers::get().open(shares, threads, worker);
+  at::parallel_for(0, threads, 1, [&](int64_t me, int64_t) {
     Tasks tasks(shares, me);
     worker(tasks);
   });
+  if (offered) Helpers::get().close();
 }
 
 }  // namespace exact
