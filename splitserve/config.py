@@ -236,14 +236,12 @@ class ServeConfig:
     # (and a client on the machine) preempt a worker's compute threads when they wake
     # instead of waiting out a time slice: a token reaches the client sooner. 0: as nice.
     worker_nice: int = 5
-    # disagg on this machine's cores: each prefill worker also runs threads on its share of
-    # the decode pool's cores, at the lowest priority (nice 19), so it prefills on every
-    # core decode leaves idle and the decode workers (and the frontend) preempt it at once
-    # when they run (cluster/specs.py). Not where the threads or cores are set by hand, the
-    # planner resizes the pools, or workers run on Ray. Off by default: under a steady
-    # decode load the preempted thread stalls its team (a prefill's TTFT 1.85x at one
-    # decoding stream, 4.4x at 16: docs/benchmarks.md, "TTFT under decode load").
-    prefill_borrows_cores: bool = False
+    # disagg on this machine's cores: each prefill worker also runs a helper thread on
+    # each core of its share of the decode pool's, at nice 19, which takes tasks of its
+    # ops while the decode worker there has nothing to step (it raises a lease when it
+    # has: cluster/worker/lending.py). Not where the threads or cores are set by hand, the
+    # planner resizes the pools, or workers run on Ray.
+    prefill_borrows_cores: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"
