@@ -39,7 +39,8 @@ SETUPS = {s.name: s for s in (
     Setup("agg", ("--mode", "agg", "--decode", "2"), "2 colocated workers, 1 core each"),
     Setup("agg1", ("--mode", "agg", "--decode", "1"), "1 colocated worker, 2 cores"),
     Setup("disagg", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                     "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each"),
+                     "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each; "
+          "the prefill worker's helper computes on the decode core while it is idle"),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
           "per request (the decode worker prefills what fits its TPOT budget)", True),
