@@ -45,8 +45,8 @@ COMPLETION = "The three primary colors are"
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     """The offline engine: default dtype (bf16, exact kernels) like the workers, but two
-    torch threads where agg's worker has one and disagg's prefill worker borrows the decode
-    worker's core (outputs must not depend on either)."""
+    torch threads where agg's worker has one and disagg's prefill worker one and a helper
+    on the decode worker's core (outputs must not depend on either)."""
     return LLM(num_threads=2, max_model_len=2048)
 
 
@@ -64,10 +64,11 @@ def reference(offline: LLM) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def disagg(start_server: Any) -> Any:
     # "always": every request goes prefill worker -> KV transfer -> decode worker. The
-    # prefill worker borrows the decode worker's core (--prefill-borrows-cores: one thread
-    # there at nice 19, preempted whenever the decode worker runs): outputs must not change.
-    return start_server("--mode", "disagg", "--disagg-policy", "always",
-                        "--prefill-borrows-cores", *FLAGS[2:])
+    # prefill worker borrows the decode worker's core (--prefill-borrows-cores, the
+    # default: a helper there takes its tasks while the decode worker is idle and keeps
+    # out while it steps, the lease raised and lowered many times a prefill under these
+    # tests' concurrent streams): outputs must not change.
+    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS[2:])
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def _leases(frontend: int) -> list[str]:
 
 
 def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
-    server = start_server("--mode", "disagg", "--prefill-borrows-cores", *FLAGS[2:])
+    server = start_server("--mode", "disagg", *FLAGS[2:])  # borrowing: the default
     pids = server.worker_pids()
     titles = _titles()
     assert titles[server.proc.pid].startswith("splitserve-frontend")

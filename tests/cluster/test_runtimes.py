@@ -99,11 +99,11 @@ def test_workers_the_planner_adds_do_not_oversubscribe_the_cores() -> None:
 
 def test_prefill_workers_borrow_the_decode_cores_through_leases(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """--prefill-borrows-cores, disagg on split cores: each prefill worker keeps its own
-    cores and threads and gets a helper on each core of its share of the decode workers'
-    (each lent once), with that core's lease; a decode worker holds the leases of the
-    cores it lends. Off by default, with cores or threads set by hand, the planner on, in
-    agg, or on Ray."""
+    """--prefill-borrows-cores (the default), disagg on split cores: each prefill worker
+    keeps its own cores and threads and gets a helper on each core of its share of the
+    decode workers' (each lent once), with that core's lease; a decode worker holds the
+    leases of the cores it lends. Off when turned off, with cores or threads set by hand, the planner
+    on, in agg, or on Ray."""
     import os
 
     from splitserve.cluster.specs import lend_cores, worker_specs
@@ -129,7 +129,7 @@ def test_prefill_workers_borrow_the_decode_cores_through_leases(
     assert all(p.startswith(("/dev/shm/", "/tmp/")) for p in specs[0].leases)
     plain = [("prefill-0", (0, 1, 2), 5, 3, (), ()), ("decode-0", (3, 4, 5), 5, 3, (), ())]
     assert layout(mode="disagg", prefill=1, decode=1, prefill_borrows_cores=False) == plain
-    assert not ServeConfig().prefill_borrows_cores  # opt-in
+    assert ServeConfig().prefill_borrows_cores  # the default
     assert layout(mode="disagg", prefill=1, decode=1, worker_cores=[[0, 1, 2], [3, 4, 5]]
                   ) == plain
     assert [s[:2] + s[3:] for s in layout(mode="disagg", prefill=1, decode=1,
