@@ -102,8 +102,8 @@ def test_prefill_workers_borrow_the_decode_cores_through_leases(
     """--prefill-borrows-cores (the default), disagg on split cores: each prefill worker
     keeps its own cores and threads and gets a helper on each core of its share of the
     decode workers' (each lent once), with that core's lease; a decode worker holds the
-    leases of the cores it lends. Off when turned off, with cores or threads set by hand, the planner
-    on, in agg, or on Ray."""
+    leases of the cores it lends. Off when turned off, with cores or threads set by
+    hand, the planner on, in agg, or on Ray."""
     import os
 
     from splitserve.cluster.specs import lend_cores, worker_specs
