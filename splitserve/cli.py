@@ -105,9 +105,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-nice", type=int, help="local workers' niceness above the "
                    "frontend's, 0-19 (default 5: the frontend preempts their compute threads)")
     p.add_argument("--prefill-borrows-cores", action=argparse.BooleanOptionalAction,
-                   default=None, help="disagg: each prefill worker also runs, at the lowest "
-                   "priority, on its share of the decode workers' cores, idle ones lent, "
-                   "busy ones yielded (default: no; a steady decode load starves it)")
+                   default=None, help="disagg: each prefill worker also computes, at the lowest "
+                   "priority, on its share of the decode workers' cores while they are idle "
+                   "(a helper thread each; the decode worker takes its core back through a "
+                   "lease when it has work). Default: on")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")

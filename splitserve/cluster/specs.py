@@ -1,7 +1,7 @@
 """The workers a ServeConfig asks for: one WorkerSpec each (role, cores, threads, engine
 arguments, store options), and the key their disk tiers derive tenant keys from.
 
-With --prefill-borrows-cores (ServeConfig.prefill_borrows_cores, off by default) a prefill
+With --prefill-borrows-cores (ServeConfig.prefill_borrows_cores, on by default) a prefill
 worker of a disaggregated layout on this machine's cores borrows the decode pool's: a
 helper thread on each core of its round-robin share of them, at nice 19, takes tasks of
 its ops while the decode worker there has nothing to step (cluster/worker/lending.py,

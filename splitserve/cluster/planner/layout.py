@@ -11,7 +11,7 @@ pins workers):
                   their running sequences within the TPOT target and cost less locally;
                   the rest (long prompts, busy decode workers) go to the prefill pool
 With --threads-per-worker T every worker runs T threads and at most cores / T exist.
-Without it, and with --prefill-borrows-cores (opt-in), a prefill worker also borrows its
+Without it, and with --prefill-borrows-cores (the default), a prefill worker also borrows its
 share of the decode workers' cores (cluster/specs.py): its prefill curve is then the one
 measured at all its threads while the decode workers are idle and its own cores' while they
 step, blended by the share of time they step at the rate scored (decode_busy: the chance a
