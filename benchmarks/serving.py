@@ -17,11 +17,13 @@ also given at the first event: when the response's first body bytes (the first S
 which carries the first token) reach the client's socket, as a raw-SSE client (vLLM's
 `bench serve`) sees them, before the openai library parses and validates the chunk on the
 same cores. TPOT = (E2E - TTFT) / (tokens - 1). Baselines run the engine alone in a
-process pinned like the workers: disagg workers get one core and one thread each, so its
-baseline is the engine on one core; the agg worker gets both cores, so its baseline is the
-engine on two. Each measured request follows an unmeasured one on the same setup: on the
-VMs these figures come from, a prefill after a second or more of idle ran up to 2x slower
-(no page faults in the guest), which hit the setups unequally.
+process pinned like the workers: disagg's decode worker gets one core and one thread, so
+its TPOT's baseline is the engine on one core; its prefill worker computes on both (its
+own core's thread and a helper on the idle decode core: --prefill-borrows-cores, the
+default), so its TTFT's is the engine on two, as agg's worker's both figures are. Each
+measured request follows an unmeasured one on the same setup: on the VMs these figures
+come from, a prefill after a second or more of idle ran up to 2x slower (no page faults
+in the guest), which hit the setups unequally.
 """
 from __future__ import annotations
 
@@ -215,8 +217,9 @@ def main() -> int:
         from benchmarks.serving_load import run_decode_load
         return run_decode_load(args.baseline_rev, args.quick, args.reps or 9, args.output)
     reps, instances = (2, 1) if args.quick else (args.reps or 5, args.instances)
-    base = {"disagg (1 prefill + 1 decode, 1 core each)": "engine, 1 core",
-            "agg (1 worker, 2 cores)": "engine, 2 cores"}
+    disagg = "disagg (1 prefill + 1 decode, 1 core each; the prefill's helper on D's core)"
+    base = {disagg: ("engine, 2 cores", "engine, 1 core"),  # (TTFT's, TPOT's)
+            "agg (1 worker, 2 cores)": ("engine, 2 cores", "engine, 2 cores")}
     runs: dict[str, list[Timing]] = {}
     monitor = CpuMonitor().start()
     # Fresh processes of every setup, `instances` times: two starts of the same server
@@ -229,7 +232,7 @@ def main() -> int:
         setups: dict[str, OfflineEngine | Served] = {
             "engine, 1 core": OfflineEngine(1, [1]),
             "engine, 2 cores": OfflineEngine(2, [0, 1]),
-            "disagg (1 prefill + 1 decode, 1 core each)": Served(
+            disagg: Served(
                 ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
             "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
         }
@@ -252,16 +255,16 @@ def main() -> int:
     for name, timings in runs.items():
         ttft = median([t.ttft_s for t in timings]) * 1000
         tpot = median([t.tpot_s for t in timings]) * 1000
-        ref = base.get(name)
-        if ref is None:
+        if name not in base:
             rows.append([name, f"{ttft:.1f}", f"{tpot:.2f}", "-", "-", "-", "-"])
             continue
         client = median([t.client_s for t in timings]) * 1000
-        pairs = list(zip(timings, runs[ref]))
+        pairs = list(zip(timings, runs[base[name][0]]))
         d_ttft = median([(a.ttft_s - b.ttft_s) * 1000 for a, b in pairs])
-        d_tpot = median([(a.tpot_s - b.tpot_s) * 1000 for a, b in pairs])
         r_ttft = median([a.ttft_s / b.ttft_s for a, b in pairs])
-        r_tpot = median([a.tpot_s / b.tpot_s for a, b in pairs])
+        tpot_pairs = list(zip(timings, runs[base[name][1]]))
+        d_tpot = median([(a.tpot_s - b.tpot_s) * 1000 for a, b in tpot_pairs])
+        r_tpot = median([a.tpot_s / b.tpot_s for a, b in tpot_pairs])
         d_event = median([(a.first_event_s - b.ttft_s) * 1000 for a, b in pairs
                           if a.first_event_s is not None])
         r_event = median([a.first_event_s / b.ttft_s for a, b in pairs
@@ -280,9 +283,11 @@ def main() -> int:
         "Served = `splitserve serve` + openai client over "
         "HTTP/SSE; disagg uses `--disagg-policy always` (every request: prefill worker -> "
         "KV transfer over TCP -> decode worker). Overhead = served minus the engine alone "
-        "on the same cores. A served TTFT starts when the openai client hands the request "
-        "to its HTTP transport; the client library's own time before that (building the "
-        "request in the benchmark's process) is the last column, not the server's tax. "
+        "on the same cores (disagg's TTFT: 2 cores, its prefill worker's and, through its "
+        "helper, the idle decode worker's; its TPOT: 1). A served TTFT starts when the "
+        "openai client hands the request to its HTTP transport; the client library's own "
+        "time before that (building the request in the benchmark's process) is the last "
+        "column, not the server's tax. "
         "\"At the first event\": the TTFT overhead when the response's first bytes (the "
         "first SSE event, with the first token) reach the client's socket, before the "
         "openai library parses them (what a raw-SSE client such as vLLM's `bench serve` "
