@@ -26,6 +26,7 @@ from splitserve.config import KVStoreConfig, ServeConfig
 
 logger = logging.getLogger(__name__)
 
+
 def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]:
     """One spec per worker: prefill workers first, then decode (or `both` in agg mode),
     each pinned to its share of this process's cores unless `worker_cores` says otherwise."""
