@@ -109,6 +109,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "priority, on its share of the decode workers' cores while they are idle "
                    "(a helper thread each; the decode worker takes its core back through a "
                    "lease when it has work). Default: on")
+    p.add_argument("--pace-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --slo-tpot-ms and a borrowing prefill worker: the decode worker "
+                   "steps at most every 0.8 x the TPOT target while the prefill has prompts, "
+                   "lending it its core in between. Default: on")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")

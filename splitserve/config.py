@@ -242,6 +242,10 @@ class ServeConfig:
     # has: cluster/worker/lending.py). Not where the threads or cores are set by hand, the
     # planner resizes the pools, or workers run on Ray.
     prefill_borrows_cores: bool = True
+    # With --slo-tpot-ms, a decode worker that lends its cores spaces its decode-only
+    # steps (0.8 x the target apart) while the borrower has prompts, lending the core in
+    # between (cluster/worker/lending.py). Off: it steps whenever it has work.
+    pace_decode: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"

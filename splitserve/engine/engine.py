@@ -198,6 +198,11 @@ class LLMEngine(EngineKV):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def decode_only(self) -> bool:
+        """The next step would only decode: no prompt token left to compute."""
+        return self.scheduler.decode_only
+
     def request_ids(self) -> list[str]:
         """Every request that holds this engine's resources: live ones, then finished ones
         whose KV is held for export (until `release_kv`)."""

@@ -97,6 +97,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def decode_only(self) -> bool:
+        return not self.waiting and all(
+            r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

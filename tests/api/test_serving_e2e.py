@@ -67,8 +67,11 @@ def disagg(start_server: Any) -> Any:
     # prefill worker borrows the decode worker's core (--prefill-borrows-cores, the
     # default: a helper there takes its tasks while the decode worker is idle and keeps
     # out while it steps, the lease raised and lowered many times a prefill under these
-    # tests' concurrent streams): outputs must not change.
-    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS[2:])
+    # tests' concurrent streams), and with a TPOT target the decode worker paces its steps
+    # while the prefill has prompts (--pace-decode, the default), lending the core between
+    # them: outputs must not change.
+    return start_server("--mode", "disagg", "--disagg-policy", "always",
+                        "--slo-tpot-ms", "50", *FLAGS[2:])
 
 
 @pytest.fixture(scope="module")

@@ -106,3 +106,58 @@ def test_sigterm_drains_in_flight_requests(start_server: Any) -> None:
     t.join(120)
     assert got == ["40"], "the in-flight request finished"
     assert server.stop() == 0, server.log()
+
+
+def test_a_paced_decode_worker_lends_its_core_between_steps(start_server: Any) -> None:
+    """--slo-tpot-ms 200, disagg, borrowing (the defaults otherwise): while the prefill
+    worker computes a long prompt, the decode worker steps its stream about every 160 ms
+    (0.8 x the target) and keeps its lease down in between, so the prefill's helper gets
+    the core (cluster/worker/lending.py); the stream's tokens are those it gets alone."""
+    import struct
+
+    from splitserve.cluster.worker.lending import lease_dir
+    if len(os.sched_getaffinity(0)) < 2:
+        return  # one core: nothing to lend (test_runtimes covers the specs)
+    server = start_server("--mode", "disagg", "--disagg-policy", "always",
+                          "--slo-tpot-ms", "200", *FLAGS[2:])
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    name = c.models.list().data[0].id
+    [lease] = [os.path.join(lease_dir(), n) for n in _leases(server.proc.pid)]
+    story = dict(model=name, prompt="Tell me a story.", max_tokens=64, temperature=0,
+                 extra_body={"ignore_eos": True})
+    arrivals: list[float] = []
+    texts: list[str] = []
+
+    def stream() -> None:
+        for chunk in c.completions.create(stream=True, **story):  # type: ignore[call-overload]
+            arrivals.append(time.monotonic())
+            texts.append(chunk.choices[0].text)
+    long_prompt = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(110))
+    done = threading.Event()
+
+    def prefill() -> None:
+        c.completions.create(model=name, prompt=long_prompt, max_tokens=1)
+        done.set()
+    decoding = threading.Thread(target=stream)
+    decoding.start()
+    deadline = time.monotonic() + 120
+    while len(arrivals) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = time.monotonic()
+    threading.Thread(target=prefill).start()
+    samples = []  # (time, lease wanted, prefill demand) while the stream decodes
+    while not done.is_set() and decoding.is_alive():
+        raw = open(lease, "rb").read(128)
+        samples.append((time.monotonic(), struct.unpack_from("I", raw, 0)[0],
+                        struct.unpack_from("I", raw, 68)[0]))
+        time.sleep(0.001)
+    decoding.join(300)
+    assert done.wait(300)
+    window = [s for s in samples if s[2] and s[0] < arrivals[-1]]
+    assert len(window) > 100, len(window)
+    lent = sum(1 for s in window if not s[1]) / len(window)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= sent and b <= window[-1][0]]
+    assert lent > 0.5, f"lease down {lent:.0%} of the time the prefill wanted it"
+    assert gaps and sorted(gaps)[len(gaps) // 2] > 0.12, gaps
+    alone = c.completions.create(**story)  # type: ignore[call-overload]
+    assert "".join(texts) == alone.choices[0].text

@@ -140,6 +140,23 @@ def test_prefill_workers_borrow_the_decode_cores_through_leases(
     assert all(s[4:] == ((), ()) for s in layout(mode="agg", decode=2))
     assert all(s[4:] == ((), ()) for s in layout(mode="disagg", prefill=1, decode=1,
                                                   runtime="ray"))
+    # With a TPOT target the lending decode worker paces its steps (0.8 x the target
+    # apart while the prefill has prompts); not without one, nor with --no-pace-decode,
+    # nor without lending.
+    def paces(**kw: object) -> list[float | None]:
+        kw.setdefault("prefill_borrows_cores", True)
+        return [s.pace_s for s in worker_specs(ServeConfig(**kw),  # type: ignore[arg-type]
+                                               "tcp://127.0.0.1:1")]
+
+    assert paces(mode="disagg", prefill=1, decode=1, slo_tpot_ms=100) == [None, 0.08]
+    assert paces(mode="disagg", prefill=2, decode=1, slo_tpot_ms=50) == [None, None, 0.04]
+    assert paces(mode="disagg", prefill=1, decode=1) == [None, None]
+    assert paces(mode="disagg", prefill=1, decode=1, slo_tpot_ms=100,
+                 pace_decode=False) == [None, None]
+    assert paces(mode="disagg", prefill=1, decode=1, slo_tpot_ms=100,
+                 prefill_borrows_cores=False) == [None, None]
+    assert paces(mode="agg", decode=2, slo_tpot_ms=100) == [None, None]
+    assert ServeConfig().pace_decode  # the default
     # With fewer cores than workers, pools share cores: nothing is left to lend.
     assert lend_cores([(0,)], [(0,)]) == [()]
     assert lend_cores([(0,), (1,)], [(2,)]) == [(2,), ()]

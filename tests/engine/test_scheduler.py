@@ -159,3 +159,19 @@ def test_preemption_frees_the_newest_and_it_resumes_later() -> None:
         step(sched)
     assert a.is_finished and b.is_finished and not sched.has_work
     assert sched.kv.pool.num_used_blocks == 0
+
+
+def test_decode_only_while_no_prompt_token_is_left() -> None:
+    """What a pacing decode worker asks before it waits (cluster/worker/lending.py)."""
+    sched = make(budget=256)
+    assert sched.decode_only  # nothing at all
+    add(sched, "a", 300)
+    assert not sched.decode_only  # waiting
+    step(sched)
+    assert not sched.decode_only  # 44 prompt tokens left
+    step(sched)
+    assert sched.decode_only  # its first token sampled: decodes from here
+    add(sched, "b", 20, seed=1)
+    assert not sched.decode_only
+    step(sched)
+    assert sched.decode_only

@@ -25,6 +25,9 @@ class WorkerSpec:
     # on the cores it lends (borrowed_cores empty).
     borrowed_cores: tuple[int, ...] = ()
     leases: tuple[str, ...] = ()
+    # A lending decode worker's step interval while the borrower has prompts (its pacing:
+    # lending.py); None: it steps whenever it has work.
+    pace_s: float | None = None
     # Added to the process's niceness at start, before any thread (ServeConfig.worker_nice;
     # local workers: a Ray actor's process is Ray's).
     nice: int = 0

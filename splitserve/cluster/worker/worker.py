@@ -55,7 +55,7 @@ class Worker(RequestHandling):
         # helper threads take them; without those kernels there is nothing to lend.
         self.lending = (None if not (spec.leases and self.engine.batch_invariant) else
                         Lending.borrow(spec.borrowed_cores, spec.leases)
-                        if spec.borrowed_cores else Lending.lend(spec.leases))
+                        if spec.borrowed_cores else Lending.lend(spec.leases, spec.pace_s))
         self.store = WorkerStore.build(self.engine, spec.store, secret.store_key)
         # Every role sends KV: prefill workers their prefills, decode workers the running
         # sequences they hand over (live migration, Migrate).
@@ -82,11 +82,15 @@ class Worker(RequestHandling):
         parent = os.getppid()
         while not self.stopping:
             self._take_adoption()
-            self._receive(self._wait_s())
+            wait_s = self._wait_s()
+            if self.lending is not None and wait_s:
+                self.lending.busy(False)  # no step before then: the core is lent meanwhile
+            self._receive(wait_s)
             self._inject(self.faults.fire("now"))
+            stepping = engine.has_unfinished and not self._pause_s()
             if self.lending is not None:
-                self.lending.busy(engine.has_unfinished)
-            outputs = self._step()
+                self.lending.busy(stepping)
+            outputs = self._step() if stepping else []
             if outputs:
                 self.reports.step_done(engine)
                 if self.store is not None:
@@ -191,8 +195,14 @@ class Worker(RequestHandling):
         """How long the loop may sleep. Transfers in flight do not shorten it: their
         threads wake it (`_wake_fds`) when there is KV to place, commit or release."""
         if self.engine.has_unfinished:
-            return 0.0
+            return self._pause_s()
         return BUSY_WAIT_S if self.reserving else IDLE_WAIT_S
+
+    def _pause_s(self) -> float:
+        """A pacing decode worker's wait before its next step (lending.py)."""
+        if self.lending is None or self.lending.pace_s is None:
+            return 0.0
+        return self.lending.pause_s(self.engine.decode_only)
 
     def _wake_fds(self) -> list[int]:
         fds = [self.sender.wakeup.fileno()]

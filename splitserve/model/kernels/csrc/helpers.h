@@ -32,6 +32,9 @@ namespace exact {
 struct Lease {
   alignas(64) std::atomic<uint32_t> wanted{0};  // the lender steps: helpers keep out
   alignas(64) std::atomic<uint32_t> active{0};  // helpers inside an op now
+  // The borrower has prompts to compute: a pacing lender spaces its steps meanwhile
+  // (written and read from Python only: lending.py).
+  std::atomic<uint32_t> demand{0};
 };
 static_assert(sizeof(Lease) == 128, "the lease file's layout");
 
