@@ -40,7 +40,12 @@ SETUPS = {s.name: s for s in (
     Setup("agg1", ("--mode", "agg", "--decode", "1"), "1 colocated worker, 2 cores"),
     Setup("disagg", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                      "--disagg-policy", "always"), "1 prefill + 1 decode worker, 1 core each; "
-          "the prefill worker's helper computes on the decode core while it is idle"),
+          "the prefill worker's helper computes on the decode core while it is idle, and "
+          "between the decode worker's steps, paced to 0.8 x the TPOT SLO, while the "
+          "prefill has prompts", True),
+    Setup("unpaced", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                      "--disagg-policy", "always", "--no-pace-decode"),
+          "as disagg, but the decode worker steps whenever it has work", True),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
           "per request (the decode worker prefills what fits its TPOT budget)", True),

@@ -5,6 +5,11 @@ import math
 
 from dataclasses import dataclass, field
 
+# A pacing decode worker's step interval as a share of the TPOT target (ServeConfig.
+# pace_decode): the rest is the margin for what else a token's time holds (a KV handover,
+# a late step, the frontend).
+PACE_SHARE = 0.8
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -243,8 +248,8 @@ class ServeConfig:
     # planner resizes the pools, or workers run on Ray.
     prefill_borrows_cores: bool = True
     # With --slo-tpot-ms, a decode worker that lends its cores spaces its decode-only
-    # steps (0.8 x the target apart) while the borrower has prompts, lending the core in
-    # between (cluster/worker/lending.py). Off: it steps whenever it has work.
+    # steps (PACE_SHARE x the target apart) while the borrower has prompts, lending the
+    # core in between (cluster/worker/lending.py). Off: it steps whenever it has work.
     pace_decode: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
@@ -327,6 +332,14 @@ class ServeConfig:
         if self.runtime == "ray" and self.kv_transport != "tcp":
             raise ValueError("--runtime ray moves KV over TCP (shared memory does not "
                              "cross machines): use --kv-transport tcp")
+
+    @property
+    def decode_pace_s(self) -> float | None:
+        """A lending decode worker's step interval while the prefill has prompts (None:
+        no pacing, for want of a TPOT target or with --no-pace-decode)."""
+        if not (self.pace_decode and self.slo_tpot_ms):
+            return None
+        return PACE_SHARE * self.slo_tpot_ms / 1e3
 
     @property
     def pool_sizes(self) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Any
 from splitserve.cluster.auth import STORE_KEY_BYTES
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.runtime import split_cores
-from splitserve.cluster.worker.lending import lease_path, pace_interval_s
+from splitserve.cluster.worker.lending import lease_path
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import KVStoreConfig, ServeConfig
 
@@ -58,7 +58,6 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
         borrowed = lend_cores(cores[0], cores[1])
     tag = f"splitserve-{os.getpid()}-{secrets.token_hex(4)}"  # this server's lease files
     lent = {c for share in borrowed for c in share}
-    pace_s = pace_interval_s(config.slo_tpot_ms) if config.pace_decode else None
     # An idle worker's heartbeat: often enough that a few lost ones do not kill it.
     heartbeat_s = min(1.0, config.deadlines.heartbeat_timeout_s / 4)
     specs = []
@@ -73,7 +72,7 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
                                                       else [c for c in mine if c in lent]))
             if helped:
                 logger.info("prefill-%d borrows the decode workers' cores %s", index, helped)
-            paced = pace_s if leases and role is not Role.PREFILL else None
+            paced = config.decode_pace_s if leases and role is not Role.PREFILL else None
             specs.append(WorkerSpec(role=role, index=index, epoch=1,
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=mine or None, nice=config.worker_nice,

@@ -74,6 +74,16 @@ def test_a_borrowing_prefill_worker_is_scored_on_the_cores_it_gets() -> None:
     assert rates[0]["disagg 1P+1D"].unloaded.ttft_s == pytest.approx(PREFILL_1(1536))
     assert rates[1]["disagg 1P+1D"].unloaded.ttft_s == pytest.approx(PREFILL_2(1536))
     assert rates[1]["agg x2"] == rates[0]["agg x2"]  # colocated workers borrow nothing
+    # A pacing decode worker (cluster/worker/lending.py) computes a step of each pace:
+    # it leaves the prefill more of the lent core, the more so the longer the pace.
+    paced = [decode_busy(CURVES[1], hint, 1.0, 1, pace) for pace in (None, 0.04, 0.08)]
+    assert paced[0] > paced[1] > paced[2] > 0
+    assert decode_busy(CURVES[1], hint, 1.0, 1, 1e-4) == paced[0]  # below a step: no pace
+    both = choose_layout(CURVES, hint, slo, cores=2, borrow=True, pace_s=0.08)
+    rates.append({c.label: c for c in both.candidates})
+    assert rates[2]["disagg 1P+1D"].max_rate > rates[1]["disagg 1P+1D"].max_rate
+    assert rates[2]["mixed 1P+1D"].max_rate >= rates[1]["mixed 1P+1D"].max_rate
+    assert rates[2]["agg x2"] == rates[0]["agg x2"]
     # Threads fixed by hand: nothing is lent (as cluster/specs.py), nothing modeled.
     fixed = choose_layout(CURVES, hint, slo, cores=2, threads_per_worker=1, borrow=True)
     assert fixed == choose_layout(CURVES, hint, slo, cores=2, threads_per_worker=1)

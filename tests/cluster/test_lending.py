@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.cluster.worker.lending import (PACE_SHARE, LeaseFile, Lending,
-                                               pace_interval_s)
+from splitserve.cluster.worker.lending import LeaseFile, Lending
+from splitserve.config import PACE_SHARE, ServeConfig
 from splitserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
@@ -70,6 +70,7 @@ def test_a_pacing_lender_waits_only_while_the_borrower_has_prompts(tmp_path: Pat
 
 
 def test_the_pace_is_a_share_of_the_tpot_target() -> None:
-    assert pace_interval_s(100.0) == pytest.approx(PACE_SHARE * 0.1)
-    assert pace_interval_s(None) is None and pace_interval_s(0.0) is None
+    assert ServeConfig(slo_tpot_ms=100).decode_pace_s == pytest.approx(PACE_SHARE * 0.1)
+    assert ServeConfig().decode_pace_s is None  # no target
+    assert ServeConfig(slo_tpot_ms=100, pace_decode=False).decode_pace_s is None
     assert 0.5 <= PACE_SHARE < 1.0

@@ -110,7 +110,8 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
     kinds = _KINDS[config.disagg_policy]
     choice = choose_layout(by_threads, hint, _slo(config, by_threads, hint), cores,
                            threads_per_worker=config.threads_per_worker, kinds=kinds,
-                           borrow=config.prefill_borrows_cores)
+                           borrow=config.prefill_borrows_cores,
+                           pace_s=config.decode_pace_s)
     if bool(config.slo_ttft_ms) != bool(config.slo_tpot_ms):
         missing = "--slo-tpot-ms" if config.slo_ttft_ms else "--slo-ttft-ms"
         choice = replace(choice, reason=f"{choice.reason}; {missing} not given: derived "

@@ -15,7 +15,9 @@ Without it, and with --prefill-borrows-cores (the default), a prefill worker als
 share of the decode workers' cores (cluster/specs.py): its prefill curve is then the one
 measured at all its threads while the decode workers are idle and its own cores' while they
 step, blended by the share of time they step at the rate scored (decode_busy: the chance a
-decode worker holds a sequence, Poisson of mean rate x output x step). Where that thread
+decode worker holds a sequence, Poisson of mean rate x output x step; with --slo-tpot-ms
+its decode worker paces its steps while the prefill has prompts: a step's share of each
+pace then). Where that thread
 count was not measured (an uneven share) the prefill worker is scored on its own cores.
 Each candidate's score is the highest request rate at which capacity.py predicts that
 the SLO quantile of TTFT and TPOT is met (capacity.fit_agg, fit_disagg, fit_mixed:
@@ -246,11 +248,19 @@ def lent_threads(num_prefill: int, num_decode: int, threads: int) -> int | None:
     return None if rest or not lent else threads + lent
 
 
-def decode_busy(curves: Curves, workload: WorkloadHint, rate: float, num_decode: int) -> float:
+def decode_busy(curves: Curves, workload: WorkloadHint, rate: float, num_decode: int,
+                pace_s: float | None = None) -> float:
     """The share of time a decode worker steps: the chance it holds a sequence, whose
-    count is Poisson (M/G/inf) of mean rate x output tokens x step / decode workers."""
-    held = rate * workload.output_tokens * curves.step_s(1) / num_decode
-    return 1 - math.exp(-held)
+    count is Poisson (M/G/inf) of mean rate x output tokens x step / decode workers. A
+    pacing one (`pace_s`, cluster/worker/lending.py) holds each sequence a pace per token
+    while the prefill has prompts, but computes only a step of each pace."""
+    step = curves.step_s(1)
+    if pace_s is None or pace_s <= step:
+        return 1 - math.exp(-rate * workload.output_tokens * step / num_decode)
+    held = rate * workload.output_tokens * pace_s / num_decode
+    holding = 1 - math.exp(-held)
+    batch = max(1, round(held / holding)) if holding else 1  # its mean while it holds any
+    return holding * min(1.0, curves.step_s(batch) / pace_s)
 
 
 def borrowing_curves(own: Curves, wide: Curves, busy: float) -> Curves:
@@ -263,11 +273,12 @@ def borrowing_curves(own: Curves, wide: Curves, busy: float) -> Curves:
 
 def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
          workload: WorkloadHint, rate: float, config: PlannerConfig,
-         wide: Curves | None = None) -> Fit:
-    """`wide`: a borrowing prefill worker's curves on all its cores (None: no borrowing)."""
+         wide: Curves | None = None, pace_s: float | None = None) -> Fit:
+    """`wide`: a borrowing prefill worker's curves on all its cores (None: no borrowing);
+    `pace_s`: the decode workers' pace (decode_busy)."""
     demand = workload.demand(rate, config.interval_s)
     prefill = None if wide is None or shape is Shape.AGG else borrowing_curves(
-        curves, wide, decode_busy(curves, workload, rate, num_decode))
+        curves, wide, decode_busy(curves, workload, rate, num_decode, pace_s))
     if shape is Shape.MIXED:
         if num_prefill < 1 or num_decode < 1:
             return Fit(capacity.INF, capacity.INF)
@@ -279,13 +290,15 @@ def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
 
 
 def max_rate(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
-             workload: WorkloadHint, config: PlannerConfig, wide: Curves | None = None
-             ) -> float:
+             workload: WorkloadHint, config: PlannerConfig, wide: Curves | None = None,
+             pace_s: float | None = None) -> float:
     """The highest arrival rate at which the predicted TTFT (at the attainment quantile)
     and TPOT meet config's SLOs; 0 when they are missed even unloaded. Predictions grow
-    with the rate (more sequences per step, longer queues): bisect."""
+    with the rate (more sequences per step, longer queues): bisect. (A pace is below the
+    TPOT target: the TPOT is judged on the steps themselves.)"""
     def meets(rate: float) -> bool:
-        fit = _fit(shape, curves, num_prefill, num_decode, workload, rate, config, wide)
+        fit = _fit(shape, curves, num_prefill, num_decode, workload, rate, config, wide,
+                   pace_s)
         return fit.ttft_s <= config.slo_ttft_s and fit.tpot_s <= config.slo_tpot_s
 
     lo, hi = 0.0, 1e-3
@@ -301,14 +314,15 @@ def max_rate(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
 
 def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHint,
                   slo: SLOTarget | None, cores: int, *, threads_per_worker: int | None = None,
-                  kinds: Collection[Shape] = tuple(Shape), borrow: bool = False
-                  ) -> LayoutChoice:
+                  kinds: Collection[Shape] = tuple(Shape), borrow: bool = False,
+                  pace_s: float | None = None) -> LayoutChoice:
     """The layout for `cores` cores (see the module docstring). `curves_by_threads`: one
     worker's cost curves at each thread count (candidate_threads says which are needed;
     a candidate whose count is missing is not considered). `slo` None: default_slo.
     `kinds`: the shapes to compare (agg always is). `borrow`: prefill workers borrow the
     decode workers' cores (ServeConfig.prefill_borrows_cores; not with a fixed
-    threads_per_worker), modeled where the curves at their thread count were measured.
+    threads_per_worker), modeled where the curves at their thread count were measured;
+    `pace_s`: their decode workers' pace (ServeConfig.decode_pace_s; decode_busy).
     Decode steps are costed at the workload's mean context (at_context)."""
     curves_by_threads = at_context(curves_by_threads, workload)
     shapes = [s for s in candidate_shapes(cores, threads_per_worker)
@@ -329,8 +343,8 @@ def choose_layout(curves_by_threads: Mapping[int, Curves], workload: WorkloadHin
         wide = curves_by_threads.get(lent) if lent else None
         found.append(Candidate(
             shape, num_p, num_d, threads,
-            max_rate(shape, curves, num_p, num_d, workload, config, wide),
-            _fit(shape, curves, num_p, num_d, workload, 0.0, config, wide)))
+            max_rate(shape, curves, num_p, num_d, workload, config, wide, pace_s),
+            _fit(shape, curves, num_p, num_d, workload, 0.0, config, wide, pace_s)))
     best = max(found, key=lambda c: c.max_rate)
     if best.max_rate > 0:
         close = [c for c in found if c.max_rate >= TIE_SHARE * best.max_rate]

@@ -11,7 +11,7 @@ under a steady decode load), and prefill uses the core whenever decode leaves it
 
 With a TPOT target (--slo-tpot-ms) the decode worker also paces itself while the prefill
 worker has prompts to compute (the lease's `demand` word): it starts a decode-only step at
-most every PACE_SHARE x the target and lowers the lease in between, so the prefill gets
+most every config.PACE_SHARE x the target and lowers the lease in between, so the prefill gets
 most of the core while the decode worker holds sequences, and every token still comes
 within the target (`Lending.pause_s`; --no-pace-decode turns it off).
 
@@ -34,14 +34,6 @@ LEASE_BYTES = 128  # kernels/csrc/helpers.h: struct Lease
 HOLD_TIMEOUT_S = 0.005  # longest wait for a helper to leave: its task (~0.01-2 ms)
 BORROWER_NICE = 19  # the helpers: every other thread on the lent core goes first
 DEMAND_OFFSET = 68  # struct Lease's `demand` word
-# A pacing decode worker's step interval, as a share of the TPOT target: the rest is the
-# margin for what else a token's time holds (a KV handover, a late step, the frontend).
-PACE_SHARE = 0.8
-
-
-def pace_interval_s(tpot_slo_ms: float | None) -> float | None:
-    """The step interval a lending decode worker keeps while the prefill has work."""
-    return PACE_SHARE * tpot_slo_ms / 1e3 if tpot_slo_ms else None
 
 
 def lease_dir() -> str:
