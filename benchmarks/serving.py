@@ -4,7 +4,8 @@ agg) against the offline engine on the same prompt, measured in one run.
     python benchmarks/serving.py          # ~7 min on 2 cores (3 starts x 5 rounds);
                                           # writes docs/benchmarks.md
     python benchmarks/serving.py --quick  # 1 start, 2 rounds, no doc
-    python benchmarks/serving.py --decode-load [--baseline-rev REV] [--quick]
+    python benchmarks/serving.py --decode-load [--baseline-rev REV] [--flags F]
+        [--baseline-flags F] [--quick]
                                           # TTFT while D decodes: benchmarks/serving_load.py
 
 One streaming completion at a time (the openai client, real HTTP, SSE), a 512-token prompt
@@ -210,12 +211,19 @@ def main() -> int:
                     help="TTFT of a 512-token prompt in disagg while D decodes 0, 1, 16 others")
     ap.add_argument("--baseline-rev", metavar="REV",
                     help="with --decode-load: also run the server of git revision REV")
+    ap.add_argument("--flags", default="", help="with --decode-load: more `splitserve serve` "
+                    "flags of the current server, e.g. '--slo-tpot-ms 100'")
+    ap.add_argument("--baseline-flags", help="with --decode-load: a baseline server with "
+                    "these flags instead (of --baseline-rev, else of this checkout)")
     args = ap.parse_args()
-    if args.baseline_rev and not args.decode_load:
-        ap.error("--baseline-rev needs --decode-load")
+    if (args.baseline_rev or args.baseline_flags is not None or args.flags
+            ) and not args.decode_load:
+        ap.error("--baseline-rev, --flags and --baseline-flags need --decode-load")
     if args.decode_load:
         from benchmarks.serving_load import run_decode_load
-        return run_decode_load(args.baseline_rev, args.quick, args.reps or 9, args.output)
+        return run_decode_load(args.baseline_rev, args.quick, args.reps or 9, args.output,
+                               args.flags.split(), None if args.baseline_flags is None
+                               else args.baseline_flags.split())
     reps, instances = (2, 1) if args.quick else (args.reps or 5, args.instances)
     disagg = "disagg (1 prefill + 1 decode, 1 core each; the prefill's helper on D's core)"
     base = {disagg: ("engine, 2 cores", "engine, 1 core"),  # (TTFT's, TPOT's)

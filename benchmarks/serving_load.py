@@ -10,9 +10,13 @@ Then the load streams are closed (the server aborts them) and the server is drai
 (nothing in flight, nothing running) before the next phase. Every wait has a timeout.
 
 `--baseline-rev REV` also runs the server of git revision REV from a temporary
-`git worktree` (this venv, PYTHONPATH = the worktree). Both servers are up before the first
-round (startup is not measured; the idle one sleeps); every round measures each N on both,
-the order alternating per round, so drift of the machine hits both alike.
+`git worktree` (this venv, PYTHONPATH = the worktree); `--baseline-flags F` a baseline with
+other flags (of REV, else of this checkout), `--flags F` adds flags to the current server
+(e.g. the TPOT target a pacing decode worker keeps: cluster/worker/lending.py). Both
+servers are up before the first round (startup is not measured; the idle one sleeps);
+every round measures each N on both, the order alternating per round, so drift of the
+machine hits both alike. The load streams' TPOT during the timed request (their chunks'
+gaps from its send to its first chunk; N > 0) is reported beside the TTFT.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from benchmarks.common import (CpuMonitor, busy_processes, machine_description,
@@ -59,6 +63,7 @@ class LoadStream(threading.Thread):
         rng = random.Random(seed)
         self.prompt = [rng.randrange(1000, 40000) for _ in range(LOAD_PROMPT_TOKENS)]
         self.side, self.stop, self.num_chunks = side, stop, 0
+        self.arrivals: list[float] = []  # perf_counter() of each chunk
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -68,6 +73,7 @@ class LoadStream(threading.Thread):
                     max_tokens=LOAD_OUTPUT_TOKENS, temperature=0, stream=True,
                     extra_body={"ignore_eos": True}) as stream:
                 for _ in stream:
+                    self.arrivals.append(time.perf_counter())
                     self.num_chunks += 1
                     if self.stop.is_set():
                         return  # closing the stream aborts the request
@@ -83,8 +89,8 @@ class LoadStream(threading.Thread):
 class LoadedServer:
     """A served disagg cluster (one checkout) that can put N streams on its decode worker."""
 
-    def __init__(self, label: str, checkout: str) -> None:
-        self.label, self.served = label, Served(FLAGS, checkout)
+    def __init__(self, label: str, checkout: str, flags: Sequence[str]) -> None:
+        self.label, self.served = label, Served([*FLAGS, *flags], checkout)
         workers = self.served.server.workers()
         decode_ids = [str(w["id"]) for w in workers if str(w["role"]).lower().endswith("decode")]
         if len(decode_ids) != 1:
@@ -125,8 +131,9 @@ class LoadedServer:
                     and not any(self.running().values()))
         _wait_for(f"{self.label}: drain", drained)
 
-    def ttft(self, rep: int) -> float:
-        """Seconds to the first chunk of a fresh 512-token prompt; the load must survive it."""
+    def ttft(self, rep: int) -> tuple[float, float | None]:
+        """Seconds to the first chunk of a fresh 512-token prompt, and the load streams'
+        median chunk gap meanwhile (None without load); the load must survive it."""
         t0 = time.perf_counter()
         first = None
         for _ in self.served.client.completions.create(
@@ -139,7 +146,9 @@ class LoadedServer:
         for s in self.streams:
             s.check()
             assert s.is_alive(), "a load stream ended during the timed request"
-        return first - t0
+        gaps = [b - a for s in self.streams for a, b in zip(s.arrivals, s.arrivals[1:])
+                if a >= t0 and b <= first]
+        return first - t0, median(gaps) if gaps else None
 
     def decisions(self) -> str:
         """The router's placement decisions so far (disagg runs: all remote)."""
@@ -179,8 +188,12 @@ def _revision(rev: str) -> str:
     return f"`{commit}` ({subject[:60]}{'...' if len(subject) > 60 else ''})"
 
 
-def _measure(sides: list[LoadedServer], reps: int) -> dict[str, dict[int, list[float]]]:
-    runs: dict[str, dict[int, list[float]]] = {s.label: {n: [] for n in LOADS} for s in sides}
+Runs = dict[str, dict[int, list[tuple[float, float | None]]]]
+
+
+def _measure(sides: list[LoadedServer], reps: int) -> Runs:
+    """{side: {N: [(TTFT, load TPOT), ...]}}"""
+    runs: Runs = {s.label: {n: [] for n in LOADS} for s in sides}
     counter = 0
     for rnd in range(-1, reps):  # -1: warm-up round, not recorded
         for n in LOADS:
@@ -189,24 +202,33 @@ def _measure(sides: list[LoadedServer], reps: int) -> dict[str, dict[int, list[f
                 try:
                     if n:
                         side.start_load(n, seed=10_000 * counter)
-                    ttft = side.ttft(20_000 + counter)  # fresh prompt ids: no prefix hits
+                    ttft, tpot = side.ttft(20_000 + counter)  # fresh ids: no prefix hits
                 finally:
                     side.stop_load()
                 if rnd >= 0:
-                    runs[side.label][n].append(ttft)
-                print(f"round {rnd}: {side.label} N={n} TTFT {ttft * 1000:.1f} ms", flush=True)
+                    runs[side.label][n].append((ttft, tpot))
+                print(f"round {rnd}: {side.label} N={n} TTFT {ttft * 1000:.1f} ms, load TPOT "
+                      f"{'-' if tpot is None else f'{tpot * 1000:.1f} ms'}", flush=True)
     return runs
 
 
-def run_decode_load(baseline_rev: str | None, quick: bool, reps: int, output: str) -> int:
+def _ms(values: list[float | None]) -> str:
+    found = [v for v in values if v is not None]
+    return f"{median(found) * 1000:.1f}" if found else "-"
+
+
+def run_decode_load(baseline_rev: str | None, quick: bool, reps: int, output: str,
+                    flags: Sequence[str] = (), baseline_flags: Sequence[str] | None = None
+                    ) -> int:
     reps = 2 if quick else reps
+    baseline = bool(baseline_rev) or baseline_flags is not None
     sides: list[LoadedServer] = []
     with contextlib.ExitStack() as stack:
-        if baseline_rev:
-            checkout = stack.enter_context(worktree(baseline_rev))
-            sides.append(LoadedServer("baseline", checkout))
+        if baseline:
+            checkout = stack.enter_context(worktree(baseline_rev)) if baseline_rev else _ROOT
+            sides.append(LoadedServer("baseline", checkout, baseline_flags or ()))
             stack.callback(sides[-1].close)
-        sides.append(LoadedServer("current", _ROOT))
+        sides.append(LoadedServer("current", _ROOT, flags))
         stack.callback(sides[-1].close)
         monitor, t0 = CpuMonitor().start(), time.monotonic()
         served_s = -sum(side.cpu_seconds() for side in sides)
@@ -220,28 +242,35 @@ def run_decode_load(baseline_rev: str | None, quick: bool, reps: int, output: st
     for n in LOADS:
         cur = runs["current"][n]
         row: list[Any] = [n]
-        if baseline_rev:
+        if baseline:
             base = runs["baseline"][n]
-            ratio = median([c / b for c, b in zip(cur, base)])
-            row += [f"{median(base) * 1000:.1f}", f"{median(cur) * 1000:.1f}", f"{ratio:.2f}"]
+            ratio = median([c[0] / b[0] for c, b in zip(cur, base)])
+            row += [_ms([b[0] for b in base]), _ms([c[0] for c in cur]), f"{ratio:.2f}",
+                    _ms([b[1] for b in base]), _ms([c[1] for c in cur])]
         else:
-            row.append(f"{median(cur) * 1000:.1f}")
+            row += [_ms([c[0] for c in cur]), _ms([c[1] for c in cur])]
         rows.append(row)
     dirty = " + uncommitted changes" if _git("status", "--porcelain") else ""
-    header = ["N decoding on D", "TTFT ms"]
+    header = ["N decoding on D", "TTFT ms", "load TPOT ms"]
     text = [
         f"TTFT of a fresh {PROMPT_TOKENS}-token prompt (random ids, no prefix hits, "
         f"{TIMED_OUTPUT_TOKENS} output tokens, greedy, bf16) through `splitserve serve "
-        f"{' '.join(FLAGS)}` (1 prefill + 1 decode worker, one core each; openai client, "
+        f"{' '.join([*FLAGS, *flags])}` (1 prefill + 1 decode worker, one core each; openai "
+        "client, "
         f"HTTP/SSE) while the decode worker decodes N other streams ({LOAD_PROMPT_TOKENS}-token "
         "prompts, ignore_eos; started and confirmed decoding on D before each timed request, "
-        "closed after it; N = 0 is the idle reference). Medians of "
+        "closed after it; N = 0 is the idle reference); load TPOT: the median gap between "
+        "the load streams' chunks while the timed request waited for its first. Medians of "
         f"{reps} rounds after one warm-up round. Current = {_revision('HEAD')}{dirty}."]
-    if baseline_rev:
-        header = ["N decoding on D", "baseline TTFT ms", "current TTFT ms", "current / baseline"]
-        text[0] += (f" Baseline = {_revision(baseline_rev)}, run from a git worktree with the "
-                    "same venv; both servers are up at once and each round measures both, in "
-                    "alternating order; the ratio is the median of the per-round ratios.")
+    if baseline:
+        header = ["N decoding on D", "baseline TTFT ms", "current TTFT ms",
+                  "current / baseline", "baseline load TPOT ms", "current load TPOT ms"]
+        where = (f"{_revision(baseline_rev)}, run from a git worktree with the same venv"
+                 if baseline_rev else "this checkout")
+        extra = f", with `{' '.join(baseline_flags)}`" if baseline_flags else ""
+        text[0] += (f" Baseline = {where}{extra}; both servers are up at once and each round "
+                    "measures both, in alternating order; the ratio is the median of the "
+                    "per-round ratios.")
     text += ["", markdown_table(header, rows), "",
              f"Other processes used {others:.2f} cores on average during the run."]
     busy = busy_processes()

@@ -11,9 +11,9 @@ under a steady decode load), and prefill uses the core whenever decode leaves it
 
 With a TPOT target (--slo-tpot-ms) the decode worker also paces itself while the prefill
 worker has prompts to compute (the lease's `demand` word): it starts a decode-only step at
-most every config.PACE_SHARE x the target and lowers the lease in between, so the prefill gets
-most of the core while the decode worker holds sequences, and every token still comes
-within the target (`Lending.pause_s`; --no-pace-decode turns it off).
+most every config.PACE_SHARE x the target and lowers the lease in between, so the prefill
+gets most of the core while the decode worker holds sequences, and every token still
+comes within the target (`Lending.pause_s`; --no-pace-decode turns it off).
 
 The lease only decides who computes an op's tasks, never what they compute: the outputs
 are the same bits with or without helpers (tests/model/test_helpers.py).
@@ -111,9 +111,9 @@ class Lending:
         return Lending(files, ops, pace_s)
 
     def pause_s(self, decode_only: bool) -> float:
-        """How long a pacing lender waits before its next step: until PACE_SHARE x the TPOT
-        target after the last one began, while its step would only decode and a borrower
-        has prompts; else 0."""
+        """How long a pacing lender waits before its next step: until its pace after the
+        last one began, while that step would only decode and a borrower has prompts;
+        else 0."""
         if self.pace_s is None or not decode_only or not any(f.demand for f in self.lent):
             return 0.0
         return max(0.0, self.stepped_at + self.pace_s - time.monotonic())
@@ -143,9 +143,8 @@ class Lending:
     def close(self) -> None:
         """A lender's leases lowered and unmapped (a borrower's stay, its demand lowered:
         its helpers run until the process ends)."""
-        if self.kernels is None:
-            self.busy(False)
-            return
         self.busy(False)
+        if self.kernels is None:
+            return
         for lease in self.lent:
             lease.close()
