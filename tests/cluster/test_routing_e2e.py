@@ -26,14 +26,16 @@ def test_back_to_back_requests_go_to_the_idle_worker_not_the_decoding_one(
     milliseconds earlier, and that worker's report says so before the next is placed (it
     used to be counted running for up to a report interval, and every other request went
     to the decoding worker, stalling its stream)."""
-    server = start_server("--mode", "agg", "--decode", "2", "--max-model-len", "512")
+    # The stream must outlast the 8 short requests on a slow CPU too (an AVX2-only one
+    # prefills a 96-token prompt in ~0.6 s on one core): 1,000 tokens, ~10-15 s there.
+    server = start_server("--mode", "agg", "--decode", "2", "--max-model-len", "1024")
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     decoding = threading.Event()
 
     def stream() -> None:
         for _ in client.completions.create(model=model, prompt=list(range(100, 116)),
-                                           max_tokens=300, temperature=0, stream=True,
+                                           max_tokens=1000, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}):
             decoding.set()
     busy = threading.Thread(target=stream)
