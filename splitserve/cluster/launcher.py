@@ -18,7 +18,7 @@ from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
 from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
-                                                    router_tpot_slo_s)
+                                                    router_costs, router_tpot_slo_s)
 from splitserve.cluster.planner.layout import LayoutChoice
 from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
@@ -74,6 +74,7 @@ class Cluster:
         router = Router(RouterConfig(
             disagg="never" if cfg.mode == "agg" else cfg.disagg_policy,
             tpot_slo_s=router_tpot_slo_s(cfg, resolved.choice),
+            cost=router_costs(resolved.curves),
             tenant_max_cached_blocks=cfg.tenant_max_cached_blocks,
             peer_fetch=cfg.store.kv_peer_fetch))
         dispatcher = self.dispatcher = Dispatcher(

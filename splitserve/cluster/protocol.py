@@ -187,6 +187,12 @@ class WorkerReady:
     kv_address: str | None  # where this worker receives KV (decode roles)
     kv_bytes_per_token: int
     max_num_partial_prefills: int = 1  # prompts one step's budget is shared among
+    # A decode worker lending its core: the interval of its decode-only steps while the
+    # prefill has prompts (cluster/worker/lending.py); None: it steps when it has work.
+    pace_s: float | None = None
+    # It borrows other workers' cores when they are idle: its step times are its own, not
+    # a one-core worker's (the router does not pool them).
+    borrows_cores: bool = False
 
 
 @dataclass(slots=True)

@@ -123,6 +123,10 @@ def test_a_paced_decode_worker_lends_its_core_between_steps(start_server: Any) -
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     name = c.models.list().data[0].id
     [lease] = [os.path.join(lease_dir(), n) for n in _leases(server.proc.pid)]
+    # The workers told the router (its TPOT rule for local prefills counts the pace).
+    told = {w["id"]: (w["pace_s"] and round(w["pace_s"], 6), w["borrows_cores"])
+            for w in server.get_json("/admin/health")["workers"]}
+    assert told == {"prefill-0": (None, True), "decode-0": (0.16, False)}, told
     story = dict(model=name, prompt="Tell me a story.", max_tokens=64, temperature=0,
                  extra_body={"ignore_eos": True})
     arrivals: list[float] = []

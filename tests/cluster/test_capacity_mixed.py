@@ -76,6 +76,13 @@ def test_no_tpot_slack_is_disagg_exactly(prompt: int) -> None:
     config = _config(5.0, edge * 1.05)
     assert local_share(demand, CURVES, 1, 1, config) > 0
     assert fit_mixed(demand, CURVES, 1, 1, config).tpot_s <= edge * 1.05
+    # A decode worker pacing its steps at a pace above the step gives its sequences a
+    # token per pace: the same prompt no longer fits.
+    paced = step + 0.1 * edge  # over the 5% of slack
+    assert local_share(demand, CURVES, 1, 1, config, pace_s=paced) == 0.0
+    assert fit_mixed(demand, CURVES, 1, 1, config, pace_s=paced) == fit_disagg(
+        demand, CURVES, 1, 1, config)
+    assert local_share(demand, CURVES, 1, 1, config, pace_s=step / 2) > 0  # below: no effect
 
 
 def test_a_busy_decode_worker_keeps_prompts_remote_until_the_prefill_pool_queues() -> None:

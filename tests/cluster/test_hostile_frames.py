@@ -148,6 +148,9 @@ def test_forged_and_repeated_registrations_remove_no_one() -> None:
             (as_(b"both-0:5"), ready("both-0", kv_address=None)),  # decodes without one
             (as_(b"prefill-0:1"), ready("prefill-0", P.Role.PREFILL,
                                         kv_address="tcp://127.0.0.1:1")),
+            (as_(b"both-0:7"), ready("both-0", pace_s=-0.1)),  # no such pace
+            (as_(b"both-0:8"), ready("both-0", pace_s=float("nan"))),
+            (as_(b"prefill-1:1"), ready("prefill-1", P.Role.PREFILL, pace_s=0.05)),  # no decode
         ]
         for sock, msg in forged:
             await sock.send(P.encode(msg))

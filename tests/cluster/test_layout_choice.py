@@ -16,7 +16,7 @@ from splitserve.cluster.launcher import Cluster
 from splitserve.cluster.specs import worker_specs
 from splitserve.cluster.planner import layout as layout_mod
 from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
-                                                    router_tpot_slo_s)
+                                                    router_costs, router_tpot_slo_s)
 from splitserve.cluster.planner.capacity import Curves, Demand, fit_at, local_share
 from splitserve.cluster.planner.layout import (Shape, SLOTarget, WorkloadHint,
                                                candidate_shapes, candidate_threads,
@@ -25,7 +25,8 @@ from splitserve.cluster.planner.model import Layout, PlannerConfig
 from splitserve.cluster.planner.profile import CostCurves
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.router.config import DisaggPolicy
-from splitserve.cluster.router.cost_model import Quadratic
+from splitserve.cluster.router.cost_model import (CostModelConfig, DecodeStepModel,
+                                                  PrefillCostModel, Quadratic)
 from splitserve.cluster.runtime.base import WorkerSpec
 from splitserve.cluster.runtime.local import LocalRuntime
 from splitserve.config import ServeConfig
@@ -82,7 +83,10 @@ def test_a_borrowing_prefill_worker_is_scored_on_the_cores_it_gets() -> None:
     both = choose_layout(CURVES, hint, slo, cores=2, borrow=True, pace_s=0.08)
     rates.append({c.label: c for c in both.candidates})
     assert rates[2]["disagg 1P+1D"].max_rate > rates[1]["disagg 1P+1D"].max_rate
-    assert rates[2]["mixed 1P+1D"].max_rate >= rates[1]["mixed 1P+1D"].max_rate
+    # Its sequences get a token per pace: less of the TPOT target is left for local
+    # prefills (the router's rule), so mixed is closer to disagg, never below it.
+    assert (rates[2]["disagg 1P+1D"].max_rate <= rates[2]["mixed 1P+1D"].max_rate
+            < rates[1]["mixed 1P+1D"].max_rate)
     assert rates[2]["agg x2"] == rates[0]["agg x2"]
     # Threads fixed by hand: nothing is lent (as cluster/specs.py), nothing modeled.
     fixed = choose_layout(CURVES, hint, slo, cores=2, threads_per_worker=1, borrow=True)
@@ -251,6 +255,12 @@ def test_auto_resolves_to_the_chosen_pools() -> None:
     assert (strict.config.mode, strict.config.prefill, strict.config.decode) == (
         "disagg", 1, 1)
     assert strict.choice.label == "mixed 1P+1D" and strict.config.disagg_policy == "auto"
+    # The router's priors are the chosen width's measured curves (a decode worker seldom
+    # prefills alone: its local prefills are judged by them), not the constant defaults.
+    costs = router_costs(strict.curves)
+    assert PrefillCostModel(costs).predict(1536) == pytest.approx(PREFILL_1(1536))
+    assert DecodeStepModel(costs).predict(8) == pytest.approx(strict.curves.step_s(8))
+    assert router_costs(None) == CostModelConfig()
     # --disagg-policy always with auto: mixed is not compared; disagg runs every prompt
     # remote, and the reason says why mixed is missing.
     always = resolve_layout(ServeConfig(workload_hint="1536:128", slo_ttft_ms=4000,
@@ -286,7 +296,7 @@ def test_what_the_operator_fixed_is_honoured_without_measuring(
     calls: list[Sequence[int]] = []
     resolved = resolve_layout(config, _source(calls), cores=2)
     choice = resolved.choice
-    assert calls == []
+    assert calls == [] and resolved.curves is None
     assert (choice.layout.value, choice.num_prefill, choice.num_decode) == expected
     assert resolved.config.mode == expected[0] and reason in choice.reason
     # The user's --disagg-policy stands; disagg under auto runs (and is labeled) mixed.

@@ -4,6 +4,8 @@ the prefill worker, and the queue-wait formula both placements rank by. Helpers 
 priors: test_router.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,29 @@ def test_tpot_budget_forces_remote() -> None:
     router = pd(load(), tpot_slo_s=0.026)
     assert remote(router.route(request(256))) == ("p0", "d0", RouteReason.TPOT_BUDGET, 0)
     assert local(router.route(request(32))) == ("d0", RouteReason.LOCAL_FASTER, 0)
+
+
+def test_a_pacing_decode_worker_gives_a_token_per_pace_before_any_stall() -> None:
+    # Within 40 ms unpaced: step(2) + prefill(256) / 64 = 30.7 ms. Paced at 38 ms (it lends
+    # its core between steps, cluster/worker/lending.py): 38 + 2.7 ms is over the budget.
+    assert local(pd(load(running=1), tpot_slo_s=0.040).route(request(256))) == (
+        "d0", RouteReason.LOCAL_FASTER, 0)
+    router = pd(replace(load(running=1), pace_s=0.038), tpot_slo_s=0.040)
+    assert remote(router.route(request(256))) == ("p0", "d0", RouteReason.TPOT_BUDGET, 0)
+    assert local(router.route(request(32))) == ("d0", RouteReason.LOCAL_FASTER, 0)
+
+
+def test_a_borrowing_prefill_workers_steps_are_not_pooled() -> None:
+    """A prefill worker computing on the decode worker's core too (WorkerReady.borrows_cores)
+    is faster than the decode worker alone: the decode worker, unfitted, keeps its prior
+    rather than the pool of such steps."""
+    for borrows, expected in ((True, prefill(1024)), (False, 0.005 + 1024 / 3000)):
+        router = pd(p_load=replace(load(), borrows_cores=borrows))
+        for t in range(64, 1088, 64):
+            router.observe_prefill("p0", t, 0.005 + t / 3000)  # twice the prior's speed
+        d0 = router.worker_state("d0")
+        assert d0 is not None
+        assert d0.prefill_model.predict(1024) == pytest.approx(expected)
 
 
 def test_tpot_budget_counts_the_local_prefills_of_the_horizon() -> None:

@@ -86,6 +86,9 @@ class WorkerTable:
                 ready.kv_address is not None and not 0 < len(ready.kv_address) <= 256):
             raise ProtocolError(f"WorkerReady of {ready.worker_id}: a {ready.role.value} "
                                 "worker must give a KV address iff it decodes")
+        if ready.pace_s is not None and not (ready.role.can_decode and 0 < ready.pace_s <= 60):
+            raise ProtocolError(f"WorkerReady of {ready.worker_id}: pace_s {ready.pace_s} is "
+                                "not a decoding worker's (0, 60] seconds")
 
     def register(self, identity: bytes, ready: WorkerReady) -> WorkerInfo:
         """Adds a worker that passed `check`; a new incarnation replaces the old one."""

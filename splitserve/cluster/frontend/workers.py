@@ -72,7 +72,9 @@ class Workers:
         self.router.set_kv_layout(KVLayout(msg.block_size, msg.kv_bytes_per_token))
         self.router.add_worker(msg.worker_id, msg.role,
                                WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs,
-                                          max_num_partial_prefills=msg.max_num_partial_prefills))
+                                          max_num_partial_prefills=msg.max_num_partial_prefills,
+                                          pace_s=msg.pace_s or 0.0,
+                                          borrows_cores=msg.borrows_cores))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
         self.count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
@@ -122,7 +124,8 @@ class Workers:
         self.router.update_load(wid, WorkerLoad(
             msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
             msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs,
-            msg.num_prefilling, worker.ready.max_num_partial_prefills), msg.received)
+            msg.num_prefilling, worker.ready.max_num_partial_prefills,
+            worker.ready.pace_s or 0.0, worker.ready.borrows_cores), msg.received)
         for step in msg.steps:
             if step.num_prefill_tokens and not step.num_decode_seqs:
                 self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)
@@ -150,7 +153,8 @@ class Workers:
         return [{"id": w.worker_id, "role": w.role.value, "healthy": w.healthy,
                  "incarnation": w.identity.decode(errors="replace"), "pid": w.ready.pid,
                  "requests": len(w.request_ids), "kv_address": w.ready.kv_address,
-                 "draining": w.draining}
+                 "draining": w.draining, "pace_s": w.ready.pace_s,
+                 "borrows_cores": w.ready.borrows_cores}
                 for w in self.table.workers.values()]
 
     def count(self) -> None:

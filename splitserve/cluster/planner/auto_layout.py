@@ -34,8 +34,10 @@ from prometheus_client import CollectorRegistry, Info
 
 from splitserve.cluster.planner.capacity import Curves
 from splitserve.cluster.planner.layout import (LayoutChoice, Shape, SLOTarget, WorkloadHint,
-                                               candidate_threads, choose_layout, default_slo)
+                                               at_context, candidate_threads, choose_layout,
+                                               default_slo)
 from splitserve.cluster.planner.profile import CostCurves, cached_curves
+from splitserve.cluster.router.cost_model import CostModelConfig
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError
 
@@ -51,6 +53,9 @@ _KINDS = {"auto": tuple(Shape), "always": (Shape.AGG, Shape.DISAGG), "never": (S
 class ResolvedLayout(NamedTuple):
     config: ServeConfig  # mode "agg" or "disagg", with the pool counts to start
     choice: LayoutChoice
+    # One worker's measured curves at the chosen width, at the hint's mean context (None:
+    # nothing measured); the router's priors (router_costs).
+    curves: Curves | None = None
 
 
 def _measured(engine_args: Mapping[str, Any], threads: Sequence[int],
@@ -77,6 +82,22 @@ def router_tpot_slo_s(config: ServeConfig, choice: LayoutChoice) -> float | None
     if choice.shape is Shape.MIXED and choice.candidates and choice.slo is not None:
         return choice.slo.tpot_s
     return None
+
+
+def router_costs(curves: Curves | None) -> CostModelConfig:
+    """The router's cost-model priors: a worker's measured curves where there are some,
+    else the defaults. A worker's prediction uses its own samples once it has enough, else
+    those pooled over the workers of its width (a prefill worker borrowing cores is not
+    one), else these: without them a decode worker that seldom prefills alone would judge
+    its local prefills by a constant (1,500 tokens/s, ~8x an AVX2 core's)."""
+    if curves is None:
+        return CostModelConfig()
+    a, b, c = curves.prefill
+    one, per_seq = curves.step_s(1), (curves.step_s(8) - curves.step_s(1)) / 7
+    return CostModelConfig(
+        prefill_fixed_s=max(a, 0.0), prefill_per_token_s=max(b, 0.0),
+        prefill_per_token2_s=max(c, 0.0), decode_step_base_s=max(one - per_seq, 0.0),
+        decode_step_per_seq_s=max(per_seq, 0.0))
 
 
 def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> ResolvedLayout:
@@ -120,9 +141,10 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
         choice = replace(choice, reason=f"{choice.reason}; --disagg-policy "
                                         f"{config.disagg_policy} given: only "
                                         f"{' and '.join(k.value for k in kinds)} compared")
+    width = at_context(by_threads, hint)[choice.threads_per_worker or min(by_threads)]
     return ResolvedLayout(replace(config, mode=choice.layout.value, prefill=choice.num_prefill,
                                   decode=choice.num_decode,
-                                  disagg_policy=choice.disagg_policy), choice)
+                                  disagg_policy=choice.disagg_policy), choice, width)
 
 
 

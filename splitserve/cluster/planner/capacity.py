@@ -1,7 +1,6 @@
 """Capacity with queueing: predicted TTFT and TPOT of a layout at given worker counts, and
-the smallest counts that meet the SLOs. The equations are in planner.py's docstring;
-fit_mixed's (decode workers that also prefill, --disagg-policy auto) in its own; a
-prompt's prefill time over its length distribution in `prefill_service`'s."""
+the smallest counts that meet the SLOs. The equations: planner.py's docstring; fit_mixed's
+(decode workers that also prefill) and prefill_service's (prompt lengths) in their own."""
 from __future__ import annotations
 
 import math
@@ -261,9 +260,9 @@ def mean_wait(rate: float, service: Service, servers: int, config: PlannerConfig
 
 def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
                 config: PlannerConfig, router: RouterConfig = RouterConfig(),
-                kv: KVLayout = KVLayout()) -> float:
+                kv: KVLayout = KVLayout(), pace_s: float | None = None) -> float:
     """The share f of prompts the decode workers of a mixed layout prefill themselves
-    (fit_mixed's docstring); the rest go to the prefill pool."""
+    (fit_mixed's docstring); the rest go to the prefill pool; `pace_s`: theirs, if any."""
     rate = demand.prefill_rate
     service = _service(demand, curves, config)
     mean_s = service.mean_s
@@ -272,7 +271,7 @@ def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: in
         return 0.0
     step = curves.step_s(per_worker)
     window = router.tpot_window_tokens
-    slack = 1 - (step + mean_s / window) / config.slo_tpot_s  # the most u may be
+    slack = 1 - (max(step, pace_s or 0.0) + mean_s / window) / config.slo_tpot_s  # u's most
     if slack <= 0:
         return 0.0
     most = 1.0 if rate * mean_s <= 0 else min(1.0, slack * num_decode / (rate * mean_s))
@@ -299,15 +298,17 @@ def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: in
 
 def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
               config: PlannerConfig, router: RouterConfig = RouterConfig(),
-              kv: KVLayout = KVLayout(), prefill: Curves | None = None) -> Fit:
+              kv: KVLayout = KVLayout(), prefill: Curves | None = None,
+              pace_s: float | None = None) -> Fit:
     """P prefill + D decode workers under the router's conditional disaggregation
     (--disagg-policy auto, tpot_slo_s = slo_tpot_s): a fluid model of its rule
     (router.py's docstring). Per decode worker, with lambda = prefill_rate, S = S(prompt),
     n = ceil(N / D) sequences (N as in fit_disagg), step = D(n), W = tpot_window_tokens:
 
       local prefill utilisation  u = f lambda S / D
-      TPOT rule   step + (recent + S) / W <= slo_tpot, recent = u W slo_tpot (the local
-                  prefills of the TPOT horizon), i.e. u <= 1 - (step + S / W) / slo_tpot
+      TPOT rule   step' + (recent + S) / W <= slo_tpot, recent = u W slo_tpot (the local
+                  prefills of the TPOT horizon), i.e. u <= 1 - (step' + S / W) / slo_tpot,
+                  step' = max(step, pace_s) (a pacing decode worker's token interval)
       cost rule   local when its cost is lower: the decode step and the prefill are on
                   both sides, so load_weight (w_D + n S / W) <= load_weight w_P + transfer,
                   w_D, w_P the mean waits of the local (service S + step, D servers, rate
@@ -323,13 +324,12 @@ def fit_mixed(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,
     (prefill_service; both S(prompt) when its spread is unknown). f = 0 is fit_disagg
     exactly; f = 1 has fit_agg's TPOT on the D workers.
     Not modeled: which prompts go local ("short prompts go local" is a share f of prompts
-    of the mean cost, not a length threshold); KV transfer time in TTFT (it only
-    enters the cost rule); local prefills when every prefill worker is over budget (the
-    router's spill); the memory terms of the costs; the router's knobs and KV bytes per
-    token are `router` and `kv` (the defaults: the default model's). `prefill`: the
-    prefill workers' curves where they differ (fit_disagg); the remote path's TTFT uses
-    them, the share (local_share) the decode workers' on both sides."""
-    share = local_share(demand, curves, num_prefill, num_decode, config, router, kv)
+    of the mean cost, not a length threshold); KV transfer time in TTFT (only in the cost
+    rule); local prefills when every prefill worker is over budget (the router's spill);
+    the memory terms of the costs. The router's knobs and KV bytes per token are `router`
+    and `kv`; `prefill`: the prefill workers' curves where they differ (fit_disagg: the
+    remote TTFT uses them, local_share the decode workers' on both sides)."""
+    share = local_share(demand, curves, num_prefill, num_decode, config, router, kv, pace_s)
     if share <= 0:
         return fit_disagg(demand, curves, num_prefill, num_decode, config, prefill)
     rate = demand.prefill_rate

@@ -283,7 +283,7 @@ def _fit(shape: Shape, curves: Curves, num_prefill: int, num_decode: int,
         if num_prefill < 1 or num_decode < 1:
             return Fit(capacity.INF, capacity.INF)
         return capacity.fit_mixed(demand, curves, num_prefill, num_decode, config,
-                                  prefill=prefill)
+                                  prefill=prefill, pace_s=pace_s if wide else None)
     if shape is Shape.DISAGG and prefill is not None:
         return capacity.fit_disagg(demand, curves, num_prefill, num_decode, config, prefill)
     return capacity.fit_at(shape.layout, demand, curves, num_prefill, num_decode, config)

@@ -26,9 +26,12 @@ _MAX_CONDITION = 1e8
 class CostModelConfig:
     """Priors used before enough samples are seen, and the fitting window."""
 
-    # Prefill prior: fixed + per-token seconds (1500 tokens/s, 5 ms per step).
+    # Prefill prior: fixed + per-token (+ per token squared: attention) seconds (1500
+    # tokens/s, 5 ms per step). `--mode auto` gives the curves it measured on this machine
+    # (auto_layout.router_costs).
     prefill_fixed_s: float = 0.005
     prefill_per_token_s: float = 1.0 / 1500
+    prefill_per_token2_s: float = 0.0
     # Decode step prior: base + per running sequence seconds.
     decode_step_base_s: float = 0.02
     decode_step_per_seq_s: float = 0.004
@@ -45,8 +48,8 @@ class CostModelConfig:
         if self.window < 3 or self.min_samples < 3 or self.min_samples > self.window:
             raise ValueError(f"need 3 <= min_samples ({self.min_samples}) <= window "
                              f"({self.window}) to fit three coefficients")
-        if min(self.prefill_fixed_s, self.prefill_per_token_s, self.decode_step_base_s,
-               self.decode_step_per_seq_s) < 0:
+        if min(self.prefill_fixed_s, self.prefill_per_token_s, self.prefill_per_token2_s,
+               self.decode_step_base_s, self.decode_step_per_seq_s) < 0:
             raise ValueError("cost model priors must be non-negative seconds")
 
 
@@ -159,7 +162,8 @@ class PrefillCostModel(_FittedCurve):
     def __init__(self, config: CostModelConfig,
                  fallback: PrefillCostModel | None = None) -> None:
         super().__init__(config, 2, Quadratic(config.prefill_fixed_s,
-                                              config.prefill_per_token_s, 0.0), fallback)
+                                              config.prefill_per_token_s,
+                                              config.prefill_per_token2_s), fallback)
 
     def predict(self, num_tokens: int) -> float:
         """Predicted seconds; 0 for no tokens, never negative, non-decreasing in t."""

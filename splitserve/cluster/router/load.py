@@ -37,6 +37,8 @@ class WorkerLoad:
     max_num_seqs: int
     num_prefilling: int = 0  # running, prompt not all computed (in the tokens above)
     max_num_partial_prefills: int = 1  # prompts one step's budget is shared among
+    pace_s: float = 0.0  # WorkerReady.pace_s (0: none)
+    borrows_cores: bool = False  # WorkerReady.borrows_cores: its steps are not pooled
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ class WorkerState:
             a, b, c, self.num_waiting + self.load.num_prefilling, self.num_waiting_tokens,
             self.load.max_num_partial_prefills - 1,
             self.decode_model.predict(self.num_running + 1), self.num_running,
-            sum(seconds for _, seconds in self.local_prefills),
+            sum(seconds for _, seconds in self.local_prefills), self.load.pace_s,
             self.num_free_blocks, self.load.kv_blocks_total, not self.is_full(),
             self.role == Role.PREFILL)
 

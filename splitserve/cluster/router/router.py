@@ -19,9 +19,10 @@ are scoring.py's, whose docstring has the formulas; it evaluates them for all wo
 once. A worker is over budget when running + waiting >= max_num_seqs or its free KV
 blocks cannot hold the prompt's uncached blocks. Policy AUTO takes the cheaper of the best local
 and best remote option, except that a local prefill that would lift D's running
-sequences over `tpot_slo_s` (step + (recent + full(u)) / tpot_window_tokens: every local
-prefill of the horizon stalls the same sequences, and those arriving meanwhile, so an idle
-worker is no exception) is not allowed; with
+sequences over `tpot_slo_s` (max(step, pace) + (recent + full(u)) / tpot_window_tokens:
+every local prefill of the horizon stalls the same sequences, and those arriving
+meanwhile, so an idle worker is no exception; a decode worker that paces its steps while
+a prefill worker borrows its core gives its sequences a token per pace) is not allowed; with
 every prefill worker over budget it prefills locally. ALWAYS is remote or None, NEVER is
 local. Without prefill workers (all BOTH) it picks the cheapest worker (AGGREGATED).
 A request's own policy (`RouteRequest.disagg`, from the HTTP body) replaces the
@@ -183,7 +184,9 @@ class Router:
         if worker is not None:
             if worker.prefill_model.observe(num_tokens, seconds):
                 self._refresh(worker_id)
-            if self._pooled_prefill.observe(num_tokens, seconds):
+            # A borrowing worker's steps ran on more cores than its own: not another's.
+            if (not worker.load.borrows_cores
+                    and self._pooled_prefill.observe(num_tokens, seconds)):
                 # Unfitted workers predict with the pooled model.
                 for other_id, other in self._workers.items():
                     if not other.prefill_model.is_fitted:
@@ -195,7 +198,8 @@ class Router:
         if worker is not None:
             if worker.decode_model.observe(num_seqs, seconds):
                 self._refresh(worker_id)
-            if self._pooled_decode.observe(num_seqs, seconds):
+            if (not worker.load.borrows_cores
+                    and self._pooled_decode.observe(num_seqs, seconds)):
                 for other_id, other in self._workers.items():
                     if not other.decode_model.is_fitted:
                         self._refresh(other_id)

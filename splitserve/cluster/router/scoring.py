@@ -55,6 +55,7 @@ class WorkerTerms(NamedTuple):
     step_s: float  # one decode step with one more sequence than now
     num_running: int
     recent_prefill_s: float  # local prefills placed here within the TPOT horizon
+    pace_s: float  # its decode-only steps' interval while a prefill borrows its core (or 0)
     num_free_blocks: int
     num_blocks_total: int
     has_seq_room: bool  # running + waiting < max_num_seqs
@@ -145,8 +146,8 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
     """Scores a `num_tokens` prompt of which worker w holds `hit_blocks[w]` leading
     blocks, some below its pool to be loaded first in `load_s[w]` seconds; `terms` is
     `WorkerColumns.view()`."""
-    (a, b, c, queued_seqs, queued_tokens, shared_slots, step_s, running, recent_s, free, total,
-     has_room, is_prefill) = terms
+    (a, b, c, queued_seqs, queued_tokens, shared_slots, step_s, running, recent_s, pace_s, free,
+     total, has_room, is_prefill) = terms
     bs = kv.block_size
     # NOTE: the engine always recomputes the prompt's last token, so a hit on every block
     # still leaves the last block to compute.
@@ -168,8 +169,10 @@ def score(terms: np.ndarray, hit_blocks: np.ndarray, num_tokens: int,
         within_tpot = np.ones_like(fits)
     else:
         # This prefill and the local ones placed here lately all stall the running decodes,
-        # and the sequences that arrive while they run: an idle worker is no exception.
-        within_tpot = step_s + (recent_s + prefill_s) / window <= config.tpot_slo_s
+        # and the sequences that arrive while they run: an idle worker is no exception. A
+        # pacing worker's sequences get a token per pace, not per step, before any stall.
+        within_tpot = (np.maximum(step_s, pace_s) + (recent_s + prefill_s) / window
+                       <= config.tpot_slo_s)
     transfer_s = (config.transfer_latency_s
                   + uncached * (kv.kv_bytes_per_token / config.transfer_bandwidth_bytes_s))
     lw, mw, locality = config.load_weight, config.memory_weight, config.locality_weight

@@ -120,7 +120,9 @@ class Worker(RequestHandling):
             max_num_partial_prefills=engine.config.scheduler.max_num_partial_prefills,
             kv_address=self.receiver.address if self.receiver else None,
             kv_bytes_per_token=2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim
-            * engine.kv_cache.element_size()))
+            * engine.kv_cache.element_size(),
+            pace_s=self.lending.pace_s if self.lending else None,
+            borrows_cores=bool(self.spec.borrowed_cores and self.lending)))
 
     # -- a new frontend (Ray runtime: workers outlive the frontend) -------------------------
     def adopt(self, frontend_address: str, secret: WorkerSecret) -> None:
