@@ -125,7 +125,7 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
     AmxTiles tiles;  // configured on first use, released at the end
     AmxStage stage;  // AMX: the last tile pass's rows are stored during the next one
-    std::vector<float> panel;  // AVX2: the group widened to fp32 (run_panels)
+    std::vector<float> panel, rows, acc;  // AVX2: group, rows and sums in fp32 (run_panels)
     std::vector<bf16_t> widened;  // AVX-512, AMX: an int8 group widened to bf16
     for (int64_t task; tasks.take(task);) {
       const int64_t g = task / row_chunks, rc = task % row_chunks;
@@ -139,9 +139,11 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
       const bool one_pass = r_end - r0 <= kMaxRows;  // decode: each weight is read once
       if (!one_pass && isa == kAvx2) {
         panel.resize(nb * w_block);
+        rows.resize((r_end - r0) * KP * 2);
+        acc.resize((r_end - r0) * kLanes);
         widen_group(w, KP, nb, panel.data());
         run_panels(xp + r0 * K, K, K, panel.data(), nb, sc, bi, yp + r0 * N + n0, N, n_valid,
-                   r_end - r0);
+                   r_end - r0, rows.data(), acc.data());
         continue;
       }
       const bf16_t* w16 = nullptr;
