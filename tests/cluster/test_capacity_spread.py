@@ -76,10 +76,12 @@ def test_spread_raises_the_ttft_quantile_and_lowers_the_rate_met() -> None:
 def test_long_prompts_in_the_tail_favour_the_wider_worker() -> None:
     """One 2-thread worker prefills a prompt in about half the time of a 1-thread one. For
     a TTFT target just above the mean prompt's 1-thread prefill, the mean says one thread
-    each is enough; the spread says the p90 prompt needs both threads."""
+    each is enough; the spread says the p90 prompt needs both threads. (The TPOT target
+    leaves room for the three 1.5 s prompts a 32-token decode may collide with on one
+    thread: the TTFT decides.)"""
     wide = Curves(Quadratic(0.02, 0.0008, 2.1e-7), Quadratic(0.010, 0.0003, 0.0), 64)
     curves = {1: CURVES, 2: wide}
-    slo = SLOTarget(ttft_s=1.3 * CURVES.prefill_s(800), tpot_s=0.06)
+    slo = SLOTarget(ttft_s=1.3 * CURVES.prefill_s(800), tpot_s=0.2)
     means_only = choose_layout(curves, WorkloadHint(800, 32), slo, cores=2)
     spread = choose_layout(curves, WorkloadHint(800, 32, 1.0), slo, cores=2)
     assert means_only.label == "agg x2"

@@ -118,18 +118,22 @@ def test_a_long_context_makes_colocated_decodes_miss_a_strict_tpot() -> None:
     VM's curves without the context term predicted agg x1 (2 threads) a 6.6 ms step, room
     for one long prefill in a request's TPOT, and chose it; served, its step at ~2K tokens
     of context was ~14 ms and agg x1 held 90% only at 0.0625 req/s against disagg's 0.25.
-    With the context term (~3.5 us per token per sequence, this VM) disagg or mixed wins."""
+    With the context term (~3.5 us per token per sequence, this VM) agg x1's rate falls by
+    3x and disagg or mixed wins. (Without it they win too since fit_agg counts the prompts
+    that arrive while a request waits and prefills: agg x1 0.18 req/s, disagg 0.26.)"""
     per_context = 3.5e-6
     curves = {1: Curves(Quadratic(0.0122, 0.00096, 3.54e-7), Quadratic(0.0058, 0.00136, 0.0),
                         64),
               2: Curves(Quadratic(0.0086, 0.00048, 1.76e-7), Quadratic(0.0059, 0.00072, 0.0),
                         64)}
     hint, slo = WorkloadHint(1549, 100, 0.21), SLOTarget(9.729, 0.021)
-    assert choose_layout(curves, hint, slo, 2).shape is Shape.AGG  # the former choice
+    blind = choose_layout(curves, hint, slo, 2)
     aware = {t: c._replace(decode_per_context_s=per_context) for t, c in curves.items()}
     choice = choose_layout(aware, hint, slo, 2)
     assert choice.shape in (Shape.DISAGG, Shape.MIXED), choice.reason
     [agg1] = [c for c in choice.candidates if c.shape is Shape.AGG and c.num_decode == 1]
+    [blind1] = [c for c in blind.candidates if c.shape is Shape.AGG and c.num_decode == 1]
+    assert agg1.max_rate < blind1.max_rate / 2
     assert agg1.unloaded.tpot_s == pytest.approx(aware[2].decode(1) + 1599 * per_context,
                                                  rel=0.01)  # the step at 1,549 + 100 / 2
     # Short prompts: the context adds little, the choice stays colocated.

@@ -11,8 +11,8 @@ import pytest
 from splitserve.cluster.planner import (Decision, Layout, Observation, Planner,
                                         PlannerConfig, StepKind, WorkerSample, check_budget,
                                         plan_steps)
-from splitserve.cluster.planner.capacity import (Curves, Demand, Service, erlang_c,
-                                                 size_disagg, wait_quantile)
+from splitserve.cluster.planner.capacity import Curves, Demand, size_disagg
+from splitserve.cluster.planner.queueing import Service, erlang_c, wait_quantile
 from splitserve.cluster.frontend.interval import IntervalStats
 from splitserve.cluster.planner.forecast import LoadForecast
 from splitserve.cluster.protocol import Role

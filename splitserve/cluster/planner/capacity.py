@@ -9,10 +9,11 @@ from statistics import NormalDist
 from typing import NamedTuple
 
 from splitserve.cluster.planner.model import Layout, PlannerConfig
+from splitserve.cluster.planner.queueing import (INF, Service, mean_wait, progeny_quantile,
+                                                 wait_quantile)
 from splitserve.cluster.router.config import KVLayout, RouterConfig
 from splitserve.cluster.router.cost_model import Quadratic
 
-INF = float("inf")
 _SHARE_STEPS = 32  # bisection steps of the local share: to ~2e-10
 
 
@@ -74,20 +75,6 @@ class Curves(NamedTuple):
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.step_s(mid) <= tpot_s else (lo, mid - 1)
         return lo
-
-
-class Service(NamedTuple):
-    """A prompt's prefill time on one worker, over the prompt-length distribution."""
-
-    mean_s: float  # E[S(L)]: what a queue's server is busy per prompt
-    cv2: float  # squared coefficient of variation of S(L) (Allen-Cunneen's cs^2)
-    tail_s: float  # S at the attainment quantile of L: the slowest prompt a TTFT must cover
-
-    def plus(self, seconds: float) -> Service:
-        """The same work and `seconds` more for every prompt (a decode step it rides)."""
-        total = self.mean_s + seconds
-        return Service(total, self.cv2 * (self.mean_s / total) ** 2 if total > 0 else 0.0,
-                       self.tail_s + seconds)
 
 
 def prefill_service(demand: Demand, curves: Curves, quantile: float,
@@ -154,35 +141,6 @@ class Sizing(NamedTuple):
         return self.num_prefill + self.num_decode
 
 
-def erlang_c(servers: int, offered: float) -> float:
-    """P(an arrival waits) in M/M/c with `offered` = rate * service < servers."""
-    blocking = 1.0  # Erlang B by its recurrence, stable for any c
-    for k in range(1, servers + 1):
-        blocking = offered * blocking / (k + offered * blocking)
-    return servers * blocking / (servers - offered * (1 - blocking))
-
-
-def _offered(rate: float, service_s: float) -> float | None:
-    """The offered load (rate * service); None when nothing queues (no arrivals or no
-    work). At or above the number of servers they cannot keep up."""
-    return rate * service_s if rate > 0 and service_s > 0 else None
-
-
-def wait_quantile(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
-    """Queueing delay not exceeded by a share attainment_target of arrivals; inf when the
-    servers cannot keep up."""
-    offered = _offered(rate, service.mean_s)
-    if offered is None or offered >= servers:
-        return 0.0 if offered is None else INF
-    tail = 1 - config.attainment_target
-    waits = erlang_c(servers, offered)
-    if waits <= tail:
-        return 0.0
-    # M/M/c: P(W > t) = C * exp(-(c/S - rate) t); Allen-Cunneen scales it to G/G/c.
-    mmc = math.log(waits / tail) / (servers / service.mean_s - rate)
-    return mmc * (config.arrival_cv2 + service.cv2) / 2
-
-
 def ttft_quantile(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
     """Wait and prefill at the quantile: the quantile wait plus the quantile prompt's
     prefill (the two add up at the extremes: at a light load the wait is 0 and the TTFT
@@ -201,29 +159,19 @@ def fit_disagg(demand: Demand, curves: Curves, num_prefill: int, num_decode: int
     return Fit(ttft, tpot)
 
 
-def poisson_quantile(mean: float, q: float) -> int:
-    """The smallest k with P(K <= k) >= q for K ~ Poisson(mean)."""
-    if mean > 100:  # exp(-mean) underflows past ~745; the normal approximation is close
-        return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
-    k, term = 0, math.exp(-mean)
-    cdf = term
-    while cdf < q and term > 0:
-        k += 1
-        term *= mean / k
-        cdf += term
-    return k
-
-
 def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerConfig) -> Fit:
     """Colocated: each worker's decode steps share it with the prompts it prefills.
 
     TPOT is a request's, at the attainment quantile, not the mean: every prompt its
     worker prefills while it decodes stalls it by that prompt's whole prefill (chunks
     interleave with its steps; they do not get shorter), so with K such prompts its TPOT
-    is D(n) + K S / output. K ~ Poisson(lambda_p / c x its decode time, stretched by
-    the prefill share) plus the prompt in progress when it starts (probability rho);
-    the fluid mean D(n) / (1 - rho) is a floor. With long prompts and short outputs one
-    collision is already a large TPOT, which the mean hides (goodput table (a))."""
+    is D(n) + K S / output. They are the prompts that reach its worker after it and
+    before it ends (they queue behind it): Poisson(lambda_p / c x T) of them, T its mean
+    wait, its own prefill and its decode (output x D(n)), and each stretches its decode
+    by S, in which rho = lambda_p S / c more arrive: a branching process
+    (queueing.progeny_quantile). The fluid mean D(n) / (1 - rho) is a floor. With long
+    prompts and short outputs one collision is already a large TPOT, which the mean
+    hides (goodput table (a), where a request's wait and prefill are most of T)."""
     per_worker = math.ceil(demand.sequences(config.slo_tpot_s) / num_workers)
     if per_worker > curves.max_num_seqs:
         return Fit(INF, INF)
@@ -232,30 +180,21 @@ def fit_agg(demand: Demand, curves: Curves, num_workers: int, config: PlannerCon
     prefill_share = demand.prefill_rate * service.mean_s / num_workers
     if prefill_share >= 1:
         return Fit(INF, INF)
-    mean_tpot = step / (1 - prefill_share)
     outputs = max(demand.output_tokens, 1.0)
-    collisions = poisson_quantile(
-        demand.prefill_rate / num_workers * outputs * mean_tpot + prefill_share,
-        config.attainment_target)
-    tpot = max(mean_tpot, step + collisions * service.mean_s / outputs)
     # A prompt rides one step with the running batch: its service includes that step.
-    ttft = ttft_quantile(demand.prefill_rate, _riding(service, step), num_workers, config)
+    riding = _riding(service, step)
+    exposure = (mean_wait(demand.prefill_rate, riding, num_workers, config) + riding.mean_s
+                + outputs * step)
+    collisions = progeny_quantile(demand.prefill_rate / num_workers * exposure,
+                                  prefill_share, config.attainment_target)
+    tpot = max(step / (1 - prefill_share), step + collisions * service.mean_s / outputs)
+    ttft = ttft_quantile(demand.prefill_rate, riding, num_workers, config)
     return Fit(ttft, tpot)
 
 
 def _riding(service: Service, step_s: float) -> Service:
     """A colocated prompt's service: its prefill and the decode step it rides."""
     return service.plus(step_s) if service.mean_s > 0 else service
-
-
-def mean_wait(rate: float, service: Service, servers: int, config: PlannerConfig) -> float:
-    """Mean queueing delay (M/M/c: C * S / (c - a), Allen-Cunneen scaled); inf when the
-    servers cannot keep up."""
-    offered = _offered(rate, service.mean_s)
-    if offered is None or offered >= servers:
-        return 0.0 if offered is None else INF
-    mmc = erlang_c(servers, offered) * service.mean_s / (servers - offered)
-    return mmc * (config.arrival_cv2 + service.cv2) / 2
 
 
 def local_share(demand: Demand, curves: Curves, num_prefill: int, num_decode: int,

@@ -35,9 +35,11 @@ The model, per interval k (rates in requests/s, times in seconds):
    upper bound); workers = ceil(N / n*); predicted TPOT = D(ceil(N / workers)).
 5. Colocated ("agg"), c workers: n = ceil(N / c), prefill share rho = lambda_p S / c.
    Every prompt a worker prefills while a request decodes there stalls that request by
-   S: TPOT_q = max(D(n) / (1 - rho), D(n) + k_q S / output), k_q the q-quantile of
-   Poisson(lambda_p / c x output x D(n) / (1 - rho) + rho) collisions. A prompt rides a
-   step with the running batch: TTFT as in 3 with service S + D(n).
+   S: TPOT_q = max(D(n) / (1 - rho), D(n) + k_q S / output), k_q the q-quantile of its
+   collisions: the prompts that arrive after it and before it ends, Poisson(lambda_p / c
+   x (mean wait + S + output x D(n))) first ones, each stretching its decode by S in
+   which Poisson(rho) more arrive (a branching family, queueing.progeny_quantile). A
+   prompt rides a step with the running batch: TTFT as in 3 with service S + D(n).
 6. Choice, with headroom h = max(band, noise_z * sigma), sigma the measured relative
    noise of the token rates (prompt and output tokens/s) from one interval to the next:
    1.4826 / sqrt(2) x the median |log ratio| of consecutive intervals over the last 12,
