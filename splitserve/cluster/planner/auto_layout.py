@@ -19,7 +19,10 @@ With auto, what the operator fixed is honoured rather than second-guessed:
   measured here;
 - --threads-per-worker T: every candidate runs T threads per worker.
 When measuring fails (or passes its deadline) the former default, disagg, serves, and
-the reason says why.
+the reason says why. A layout not chosen here still hands the router this machine's
+curves as its priors when an earlier start measured them (the profile cache; nothing is
+measured for it): a decode worker of an explicit mixed layout would otherwise judge its
+local prefills by a constant prior (router_costs).
 """
 from __future__ import annotations
 
@@ -36,16 +39,19 @@ from splitserve.cluster.planner.capacity import Curves
 from splitserve.cluster.planner.layout import (LayoutChoice, Shape, SLOTarget, WorkloadHint,
                                                at_context, candidate_threads, choose_layout,
                                                default_slo)
-from splitserve.cluster.planner.profile import CostCurves, cached_curves
+from splitserve.cluster.planner.profile import CostCurves, cached_curves, cached_only
+from splitserve.cluster.runtime import split_cores
 from splitserve.cluster.router.cost_model import CostModelConfig
 from splitserve.config import ServeConfig
-from splitserve.errors import LayoutProfileError
+from splitserve.errors import LayoutProfileError, ModelLoadError
 
 logger = logging.getLogger("splitserve.layout")
 
 # (engine args, thread counts, cache file or None) -> curves at each count
 CurvesSource = Callable[[Mapping[str, Any], Sequence[int], Path | None],
                         Mapping[int, CostCurves]]
+# (engine args, thread count, cache file or None) -> the curves cached there, measuring none
+CachedSource = Callable[[Mapping[str, Any], int, Path | None], CostCurves | None]
 # --disagg-policy -> the kinds --mode auto compares (the default, auto: all of them)
 _KINDS = {"auto": tuple(Shape), "always": (Shape.AGG, Shape.DISAGG), "never": (Shape.AGG,)}
 
@@ -63,12 +69,19 @@ def _measured(engine_args: Mapping[str, Any], threads: Sequence[int],
     return cached_curves(engine_args, threads, cache_path=cache_path)
 
 
+def _cached(engine_args: Mapping[str, Any], threads: int,
+            cache_path: Path | None) -> CostCurves | None:
+    return cached_only(engine_args, threads, cache_path=cache_path)
+
+
 def resolve_layout(config: ServeConfig, curves: CurvesSource = _measured,
-                   cores: int | None = None) -> ResolvedLayout:
+                   cores: int | None = None, cached: CachedSource = _cached) -> ResolvedLayout:
     """The layout to start (see the module docstring) and why; logs one INFO line.
     `cores`: None, this process's. Blocks while measuring (under a minute on 2 cores;
     profile.PROFILE_TIMEOUT_S at most): run it off the event loop."""
     resolved = _resolve(config, curves, cores)
+    if resolved.curves is None:
+        resolved = resolved._replace(curves=_priors(resolved.config, cached, cores))
     logger.info("layout: %s, --disagg-policy %s (%s)", resolved.choice.label,
                 resolved.choice.disagg_policy, resolved.choice.reason)
     return resolved
@@ -124,9 +137,7 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
         logger.warning("--mode auto could not measure this machine: %s", exc)
         return _given(replace(config, mode="disagg"),
                       f"measuring the cost curves failed ({exc}): disagg, the former default")
-    by_threads = {t: Curves(c.prefill, c.decode, config.max_num_seqs,
-                            decode_per_context_s=c.decode_per_context_s)
-                  for t, c in found.items()}
+    by_threads = {t: _curves(c, config) for t, c in found.items()}
     hint = WorkloadHint(*config.workload_tokens)
     kinds = _KINDS[config.disagg_policy]
     choice = choose_layout(by_threads, hint, _slo(config, by_threads, hint), cores,
@@ -146,6 +157,37 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
                                   decode=choice.num_decode,
                                   disagg_policy=choice.disagg_policy), choice, width)
 
+
+
+def _curves(found: CostCurves, config: ServeConfig) -> Curves:
+    return Curves(found.prefill, found.decode, config.max_num_seqs,
+                  decode_per_context_s=found.decode_per_context_s)
+
+
+def _priors(config: ServeConfig, cached: CachedSource, cores: int | None) -> Curves | None:
+    """A layout not chosen here: its decode workers' cached curves at the hint's context,
+    as specs.worker_specs sizes them (their cores, or --threads-per-worker); None on a
+    Ray cluster (other machines), under the planner (it resizes the workers), or when
+    none are cached."""
+    if config.runtime != "local" or config.planner != "off":
+        return None
+    if config.worker_cores is not None:
+        threads = len(config.worker_cores[-1])  # decode workers are listed last
+    else:
+        num_prefill, num_decode = config.pool_sizes
+        counts = [num_decode] if config.mode == "agg" else [num_prefill, num_decode]
+        mine = list(range(cores)) if cores else sorted(os.sched_getaffinity(0))
+        threads = len(split_cores(mine, counts)[-1][0])
+    cache = Path(config.profile_cache) if config.profile_cache else None
+    try:
+        found = cached(config.engine_args(), config.threads_per_worker or threads, cache)
+    except (ModelLoadError, OSError, ValueError) as exc:  # the workers will say it, in full
+        logger.debug("no cached curves for the router's priors: %s", exc)
+        return None
+    if found is None:
+        return None
+    hint = WorkloadHint(*config.workload_tokens)
+    return at_context({0: _curves(found, config)}, hint)[0]
 
 
 def _slo(config: ServeConfig, curves: Mapping[int, Curves],

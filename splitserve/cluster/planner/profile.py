@@ -321,6 +321,14 @@ class ProfileCache:
         os.replace(tmp, self.path)
 
 
+def cached_only(engine_args: Mapping[str, Any], threads: int, *,
+                cache_path: Path | None = None) -> CostCurves | None:
+    """The curves cached for a worker with `engine_args` at `threads`; None when none
+    are (nothing is measured)."""
+    return ProfileCache(cache_path or default_cache_path()).get(
+        profile_key(engine_args, threads))
+
+
 def cached_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
                   cache_path: Path | None = None, plan: ProfilePlan = ProfilePlan(),
                   timeout_s: float = PROFILE_TIMEOUT_S) -> dict[int, CostCurves]:
