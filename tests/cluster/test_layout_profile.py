@@ -34,8 +34,8 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     # Measured: costs grow with the prompt and with the batch, none is free.
     assert 0 < first.prefill(32) < first.prefill(128) < first.prefill(256) < 10
     assert 0 < first.decode(1) <= first.decode(4) < 2
-    # A step reads every token of its context: a batch-1 step after a ~500-token prompt
-    # costs more than one after 16 (SHORT caps decode_context_tokens at max_model_len).
+    # A step reads every token of its context: a step of 4 sequences after ~500-token
+    # prompts costs more than after 16 (SHORT caps decode_context_tokens at max_model_len).
     assert 0 < first.decode_per_context_s < first.decode(1) / 100
     key = profile_key(ARGS, 1)
     assert key.batch_invariant in (True, False) and key.dtype == "bfloat16"
@@ -147,6 +147,9 @@ def test_the_step_cost_per_context_token_comes_from_the_long_context_steps() -> 
     assert fit_curves(prefill, decode).decode_per_context_s == 0.0  # none measured
     # A long step measured faster than a short one (noise): no negative cost
     assert fit_curves(prefill, decode, [(1026, 0.005)], 18).decode_per_context_s == 0.0
+    # Over a batch (its KV out of cache): the excess over that batch's step, per sequence
+    four = fit_curves(prefill, decode, [(1026, 0.040)], 18, context_batch=4)
+    assert four.decode_per_context_s == pytest.approx((0.040 - four.decode(4)) / (4 * 1008))
 
 
 def test_a_flat_decode_step_fits_through_its_noise() -> None:

@@ -77,7 +77,7 @@ def _cached(engine_args: Mapping[str, Any], threads: int,
 def resolve_layout(config: ServeConfig, curves: CurvesSource = _measured,
                    cores: int | None = None, cached: CachedSource = _cached) -> ResolvedLayout:
     """The layout to start (see the module docstring) and why; logs one INFO line.
-    `cores`: None, this process's. Blocks while measuring (under a minute on 2 cores;
+    `cores`: None, this process's. Blocks while measuring (about a minute on 2 cores;
     profile.PROFILE_TIMEOUT_S at most): run it off the event loop."""
     resolved = _resolve(config, curves, cores)
     if resolved.curves is None:

@@ -34,7 +34,7 @@ from splitserve.errors import LayoutProfileError
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_PROFILE_CACHE"
-CACHE_VERSION = 2  # 2: the decode step's cost per token of context
+CACHE_VERSION = 3  # 2: the decode step's cost per token of context; 3: out of cache
 # The child loads the model (~10 s on 2 cores, more the first time the exact kernels
 # are built) and measures for ~5 s per thread count on an idle machine: far inside this.
 PROFILE_TIMEOUT_S = 240.0
@@ -55,16 +55,22 @@ class ProfilePlan:
     # (a neighbour's burst) lands on different sizes in each, and each size's fastest
     # step counts, where one ascending pass let it slow only the smallest batches.
     decode_repeats: int = 2
-    # Batch-1 decode steps with this much context as well (capped below max_model_len):
-    # a step's attention reads every token of each sequence's context, which at 2K tokens
-    # doubled a one-core step of the default model (7 -> 14 ms, goodput table (a)).
+    # Decode steps with this much context as well (capped below max_model_len): a step's
+    # attention reads every token of each sequence's context, which at 2K tokens doubled a
+    # one-core step of the default model (7 -> 14 ms, goodput table (a)).
     decode_context_tokens: int = 1024
+    # ... over this many sequences (capped at max_num_seqs), one pass: their KV (4 x 1,024
+    # tokens x 23 KB for the default model, 94 MB) outgrows a last-level cache as a served
+    # batch of long contexts does. One sequence's (24 MB) stayed in a Zen 3's 32 MB L3 and
+    # cost a fifth of what a served step paid per token (0.56 against ~3 us at 2 threads).
+    decode_context_batch: int = 4
 
     def __post_init__(self) -> None:
         if min(self.prefill_tokens, default=0) < 1 or min(self.decode_batches, default=0) < 1:
             raise ValueError("a profile plan needs positive prefill sizes and decode batches")
         if len(set(self.prefill_tokens)) < 3 or len(set(self.decode_batches)) < 3 or min(
-                self.prefill_repeats, self.decode_steps, self.decode_repeats) < 1:
+                self.prefill_repeats, self.decode_steps, self.decode_repeats,
+                self.decode_context_batch) < 1:
             raise ValueError("a profile plan needs 3 sizes per curve to fit one, each run "
                              "at least once")
 
@@ -169,13 +175,14 @@ def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
 
 
 def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int, float]],
-               context: Sequence[tuple[int, float]] = (), short_context: int = 0
-               ) -> CostCurves:
+               context: Sequence[tuple[int, float]] = (), short_context: int = 0,
+               context_batch: int = 1) -> CostCurves:
     """The router's fits over the samples, (tokens, seconds) and (sequences, seconds),
     through each curve's envelope (`_envelope`): the curves are meant to be the cost on
     cores of their own. Needs 3 sizes of each. `context`: (context tokens, seconds) of
-    batch-1 steps at a long context, against the decode samples' `short_context`: their
-    fastest over the fitted batch-1 step, per token more (never negative)."""
+    steps over `context_batch` sequences at a long context, against the decode samples'
+    `short_context`: their fastest over the fitted step at that batch, per sequence per
+    token more (never negative)."""
     prefill_model = PrefillCostModel(_fit_config(prefill))
     decode_model = DecodeStepModel(_fit_config(decode))
     for model, samples in ((prefill_model, prefill), (decode_model, decode)):
@@ -191,7 +198,8 @@ def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int,
     per_context = 0.0
     for tokens, seconds in _fastest(context)[-1:]:
         if tokens > short_context:
-            per_context = max(0.0, (seconds - decode_curve(1)) / (tokens - short_context))
+            per_context = max(0.0, (seconds - decode_curve(context_batch))
+                              / (context_batch * (tokens - short_context)))
     return CostCurves(Quadratic(*prefill_model.coefficients), decode_curve, per_context)
 
 
@@ -265,7 +273,7 @@ def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
                 [(int(t), float(s)) for t, s in result["prefill"]],
                 [(int(n), float(s)) for n, s in result["decode"]],
                 [(int(c), float(s)) for c, s in result["decode_context"]],
-                int(result["short_context"]))
+                int(result["short_context"]), int(result["context_batch"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise LayoutProfileError(f"the profiling process answered {exc!r}") from exc
     if sorted(curves) != counts:

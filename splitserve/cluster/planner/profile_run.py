@@ -73,15 +73,16 @@ def measure_decode(engine: LLMEngine, rng: random.Random, batches: list[int],
     return samples
 
 
-def measure_context(engine: LLMEngine, rng: random.Random, plan: ProfilePlan,
-                    limit: int) -> list[tuple[int, float]]:
-    """(context tokens, seconds) of batch-1 decode steps after a long prompt (the context
-    each step reads, at its middle), `plan.decode_repeats` times."""
+def measure_context(engine: LLMEngine, rng: random.Random, plan: ProfilePlan, limit: int,
+                    batch: int) -> list[tuple[int, float]]:
+    """(context tokens, seconds) of decode steps over `batch` sequences after a long
+    prompt each (the context each step reads, at its middle), one pass (ProfilePlan). At
+    most half the context limit: the first sequences decode while the others prefill (in
+    16-token chunks under a 1 ms step budget) and must not reach the limit before."""
     prompt = max(plan.decode_prompt_tokens, min(plan.decode_context_tokens,
-                                                limit - plan.decode_steps - 1))
+                                                (limit - plan.decode_steps - 1) // 2))
     context = prompt + plan.decode_steps // 2
-    return [(context, seconds) for repeat in range(plan.decode_repeats)
-            for seconds in _decode_batch(engine, rng, 1, plan, repeat, prompt)]
+    return [(context, seconds) for seconds in _decode_batch(engine, rng, batch, plan, 0, prompt)]
 
 
 def _decode_batch(engine: LLMEngine, rng: random.Random, batch: int, plan: ProfilePlan,
@@ -135,9 +136,10 @@ def main() -> int:
         measure_prefill(engine, rng, sizes[:1], 1)  # warm-up: first-call costs
         prefill = measure_prefill(engine, rng, sizes, plan.prefill_repeats)
         decode = measure_decode(engine, rng, batches, plan)
-        context = measure_context(engine, rng, plan, limit)
+        context_batch = min(plan.decode_context_batch, config.scheduler.max_num_seqs)
+        context = measure_context(engine, rng, plan, limit, context_batch)
         print(json.dumps({"threads": count, "prefill": prefill, "decode": decode,
-                          "decode_context": context,
+                          "decode_context": context, "context_batch": context_batch,
                           "short_context": plan.decode_prompt_tokens + plan.decode_steps // 2,
                           "fingerprint": engine.fingerprint,
                           "batch_invariant": engine.batch_invariant}), flush=True)
