@@ -13,6 +13,7 @@ import pytest
 from splitserve.cluster.planner.auto_layout import resolve_layout, router_costs
 from splitserve.cluster.planner.profile import CostCurves, ProfileCache, profile_key
 from splitserve.cluster.router.cost_model import Quadratic
+from splitserve.cluster.runtime import split_cores
 from splitserve.config import ServeConfig
 
 ONE = CostCurves(Quadratic(0.016, 0.003, 7e-7), Quadratic(0.013, 0.004, 0.0), 5e-7)
@@ -30,6 +31,7 @@ def _never_measure(*_: Any) -> Mapping[int, CostCurves]:
     (ServeConfig(mode="agg", decode=2), 1),
     (ServeConfig(mode="disagg", threads_per_worker=2), 2),
     (ServeConfig(mode="disagg", worker_cores=[[0], [1]]), 1),
+    (ServeConfig(mode="disagg", prefill=1, decode=2), 1),  # fewer cores than workers
 ])
 def test_the_cached_curves_of_its_decode_workers_become_the_priors(
         config: ServeConfig, threads: int) -> None:
@@ -74,3 +76,18 @@ def test_the_profile_cache_file_is_read_and_nothing_measured(tmp_path: Path) -> 
     agg1 = resolve_layout(ServeConfig(mode="agg", profile_cache=str(path)), _never_measure,
                           cores=2)
     assert agg1.curves is not None and agg1.curves.decode == TWO.decode
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("prefill, decode", [(1, 1), (1, 2), (2, 3), (0, 1), (0, 3)])
+def test_the_width_asked_is_the_one_the_runtime_gives_a_decode_worker(
+        cores: int, prefill: int, decode: int) -> None:
+    """_priors sizes the decode workers as runtime.split_cores splits the cores (the
+    planner may not import the runtime: tests/test_layering.py)."""
+    config = (ServeConfig(mode="agg", decode=decode) if prefill == 0
+              else ServeConfig(mode="disagg", prefill=prefill, decode=decode))
+    asked: list[int] = []
+    resolve_layout(config, _never_measure, cores=cores,
+                   cached=lambda _a, count, _c: asked.append(count))
+    counts = [decode] if prefill == 0 else [prefill, decode]
+    assert asked == [len(split_cores(list(range(cores)), counts)[-1][-1])]

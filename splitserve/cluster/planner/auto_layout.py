@@ -40,7 +40,6 @@ from splitserve.cluster.planner.layout import (LayoutChoice, Shape, SLOTarget, W
                                                at_context, candidate_threads, choose_layout,
                                                default_slo)
 from splitserve.cluster.planner.profile import CostCurves, cached_curves, cached_only
-from splitserve.cluster.runtime import split_cores
 from splitserve.cluster.router.cost_model import CostModelConfig
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError, ModelLoadError
@@ -174,10 +173,11 @@ def _priors(config: ServeConfig, cached: CachedSource, cores: int | None) -> Cur
     if config.worker_cores is not None:
         threads = len(config.worker_cores[-1])  # decode workers are listed last
     else:
+        # runtime.split_cores: cores // workers each, the rest to the first ones (the
+        # decode workers are the last); one each when there are fewer cores than workers
         num_prefill, num_decode = config.pool_sizes
-        counts = [num_decode] if config.mode == "agg" else [num_prefill, num_decode]
-        mine = list(range(cores)) if cores else sorted(os.sched_getaffinity(0))
-        threads = len(split_cores(mine, counts)[-1][0])
+        workers = num_decode + (0 if config.mode == "agg" else num_prefill)
+        threads = max(1, (cores or len(os.sched_getaffinity(0))) // workers)
     cache = Path(config.profile_cache) if config.profile_cache else None
     try:
         found = cached(config.engine_args(), config.threads_per_worker or threads, cache)
