@@ -152,18 +152,30 @@ class ServerProcess:
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"splitserve-{self.port}.log"
-        self._log = open(self.log_path, "wb")
         env = dict(os.environ if env is None else env)
         self.admin_key = env.setdefault("SPLITSERVE_ADMIN_KEY", secrets.token_urlsafe(16))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-        self._wait_ready(ready_timeout_s)
+        # The free port is released before the server binds it, seconds later; meanwhile
+        # a socket the server itself opens on an ephemeral port (a worker's, a
+        # connection's) may take it: then it exits on "address already in use", and
+        # another port is tried.
+        for attempt in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log_path = (Path(os.environ.get("TMPDIR", "/tmp"))
+                             / f"splitserve-{self.port}.log")
+            self._log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port),
+                 *flags], stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+            try:
+                self._wait_ready(ready_timeout_s)
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log():
+                    raise
+                self._log.close()
 
     def _wait_ready(self, timeout_s: float) -> None:
         import time
