@@ -70,11 +70,7 @@ class Workers:
         # The workers know the model's KV layout (block size; bytes per token from layers,
         # heads, dtype): the router's block counts and transfer-time estimate use it.
         self.router.set_kv_layout(KVLayout(msg.block_size, msg.kv_bytes_per_token))
-        self.router.add_worker(msg.worker_id, msg.role,
-                               WorkerLoad(0, 0, 0, 0, msg.num_blocks, msg.max_num_seqs,
-                                          max_num_partial_prefills=msg.max_num_partial_prefills,
-                                          pace_s=msg.pace_s or 0.0,
-                                          borrows_cores=msg.borrows_cores))
+        self.router.add_worker(msg.worker_id, msg.role, _load(msg))
         self.metrics.kv_blocks_total.labels(msg.worker_id).set(msg.num_blocks)
         self.count()
         logger.info("worker %s registered (pid %d, %d KV blocks)", msg.worker_id, msg.pid,
@@ -121,11 +117,7 @@ class Workers:
         """A load report: the worker's queue and memory, and its pure prefill or pure
         decode steps as samples for the router's cost models (mixed steps fit neither)."""
         wid = worker.worker_id
-        self.router.update_load(wid, WorkerLoad(
-            msg.num_running, msg.num_waiting + msg.num_awaiting_kv, msg.num_waiting_tokens,
-            msg.kv_blocks_used, msg.kv_blocks_total, worker.ready.max_num_seqs,
-            msg.num_prefilling, worker.ready.max_num_partial_prefills,
-            worker.ready.pace_s or 0.0, worker.ready.borrows_cores), msg.received)
+        self.router.update_load(wid, _load(worker.ready, msg), msg.received)
         for step in msg.steps:
             if step.num_prefill_tokens and not step.num_decode_seqs:
                 self.router.observe_prefill(wid, step.num_prefill_tokens, step.seconds)
@@ -161,3 +153,17 @@ class Workers:
         self.metrics.count_workers([
             (w.role.value, "draining" if w.draining else "healthy" if w.healthy else "unhealthy")
             for w in self.table.workers.values()])
+
+
+def _load(ready: P.WorkerReady, report: P.LoadReport | None = None) -> WorkerLoad:
+    """The router's view of a worker: what it said at registration (its limits), and its
+    latest load report (none yet: idle, every KV block free)."""
+    if report is None:
+        return WorkerLoad(0, 0, 0, 0, ready.num_blocks, ready.max_num_seqs,
+                          max_num_partial_prefills=ready.max_num_partial_prefills,
+                          pace_s=ready.pace_s or 0.0, borrows_cores=ready.borrows_cores)
+    return WorkerLoad(report.num_running, report.num_waiting + report.num_awaiting_kv,
+                      report.num_waiting_tokens, report.kv_blocks_used,
+                      report.kv_blocks_total, ready.max_num_seqs, report.num_prefilling,
+                      ready.max_num_partial_prefills, ready.pace_s or 0.0,
+                      ready.borrows_cores)

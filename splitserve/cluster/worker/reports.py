@@ -1,9 +1,10 @@
 """What a worker tells the frontend besides requests: its KV events (numbered batches, so
 a lost one shows as a gap) and its load report, which doubles as the heartbeat (queue,
 KV blocks, the steps it ran since the last one as cost-model samples, the requests that
-arrived since the last one, prefix-hit totals, its KV listener's counts). A report that would repeat the last one sent (an idle worker)
-goes out only once per heartbeat interval: ten identical reports a second from every
-worker cost an idle frontend ~2% of a core."""
+arrived since the last one, prefix-hit totals, its KV listener's counts). A report that
+would repeat the last one sent (an idle worker) goes out only once per heartbeat
+interval: ten identical reports a second from every worker cost an idle frontend ~2% of
+a core."""
 from __future__ import annotations
 
 import time
