@@ -180,7 +180,10 @@ class ExactDecoder {
     Ints top(n);
     if (n == 0) return {out, top};
     at::Tensor h = at::empty({n, H}, bf16), sum = at::empty({n, H}, bf16);
-    exact::rms_norm_into(cdata(y), cdata(stream), cdata(e.norm), n, H, eps_, data(sum), data(h));
+    exact::parallel_rows(n, [&](int64_t r0, int64_t r1) {
+      exact::rms_norm_into(cdata(y) + r0 * H, cdata(stream) + r0 * H, cdata(e.norm), r1 - r0, H,
+                           eps_, data(sum) + r0 * H, data(h) + r0 * H);
+    });
     at::Tensor head = at::empty({n, V}, bf16);
     exact::linear_into(cdata(h), n, e.head.w, data(head));
     const bf16_t* src = cdata(head);
@@ -253,24 +256,19 @@ class ExactDecoder {
     const bf16_t* const res0 = has_res ? cdata(*residual) : nullptr;
     const bf16_t *cos_p = cdata(cos), *sin_p = cdata(sin);
     const int64_t D = head_dim_;
-    // Every thread of the team runs this (each with its own loop state); the row-wise ops
-    // split the rows, the others share their tasks out (parallel_tasks), and each op ends
-    // at the team's barrier. With fewer rows than threads (a decode step) each thread runs
-    // the norms and SiLU in full, into buffers of its own, and goes straight on to the
+    // Every thread of the team runs this (each with its own loop state); every op shares
+    // its tasks out (parallel_tasks; the row-wise ops, parallel_rows: chunks of rows) and
+    // ends at the team's barrier. With fewer rows than threads (a decode step) each thread
+    // runs the norms and SiLU in full, into buffers of its own, and goes straight on to the
     // linear after them, which reads its own copy (the same bits whichever thread computes
     // a task): three barriers a layer fewer, where the other thread's split of those small
     // ops saved less than its wait (~1.5% of a batch-1 step at a fast DRAM moment,
     // docs/benchmarks.md 11-30 08:2x-09:4x). AMX runs each op in a region of its own (its
     // attention packs V into the caller's buffer; the team is not measured there yet).
     auto stack = [&] {
-      const exact::TeamView team;
-      const bool own = team.team && T < team.team->threads();
+      exact::Team* const team = exact::Team::current();
+      const bool own = team && T < team->threads();
       const int64_t me = exact::Team::me();
-      // this thread's part of each row-wise op: 16-column groups, rotary units (heads, V)
-      const exact::TeamView::Part all_h{0, T, 0, H / 16}, all_i{0, T, 0, I / 16};
-      const auto n = own ? all_h : team.part(T, H / 16), s = own ? all_i : team.part(T, I / 16),
-                 r = team.part(T, heads_ + kv_heads_ + 1);
-      const int64_t nm = n.r1 - n.r0, rm = r.r1 - r.r0;
       // Where this thread's row-wise ops write: its own buffers when `own` (thread 0's
       // residual sums are the shared ones: res_b is what forward returns).
       bf16_t* const mine = own ? owned + me * own_size : nullptr;
@@ -279,8 +277,9 @@ class ExactDecoder {
       bf16_t* const act_ = own ? mine + 3 * T * H : act;
       bf16_t* const sum_a = own && me > 0 ? mine + T * H : res_a;
       bf16_t* const sum_b = own && me > 0 ? mine + 2 * T * H : res_b;
-      const auto row_op_done = [&] {
-        if (!own) team.barrier();
+      const auto row_op = [&](const auto& rows) {  // rows(r0, r1): that range of the op
+        if (own) rows(0, T);
+        else exact::parallel_rows(T, rows);
       };
       bf16_t* kv = kv0;
       const bf16_t* in = x0;
@@ -290,26 +289,35 @@ class ExactDecoder {
         // Residual sums: sum_a after attention's input norm, sum_b after the MLP's (res_b
         // is out_res: the last layer's is what forward returns).
         bf16_t* const sum1 = res_in ? sum_a : nullptr;
-        exact::rms_norm_into(in + n.r0 * H, res_in ? res_in + n.r0 * H : nullptr,
-                             cdata(l.input_norm), nm, H, eps_,
-                             sum1 ? sum1 + n.r0 * H : nullptr, h1_ + n.r0 * H, n.u0 * 16,
-                             n.u1 * 16);
-        row_op_done();
+        row_op([&](int64_t r0, int64_t r1) {
+          exact::rms_norm_into(in + r0 * H, res_in ? res_in + r0 * H : nullptr,
+                               cdata(l.input_norm), r1 - r0, H, eps_,
+                               sum1 ? sum1 + r0 * H : nullptr, h1_ + r0 * H);
+        });
         exact::linear_into(h1_, T, l.qkv.w, qkv);
-        exact::rope_write_kv_into(qkv + r.r0 * qkv_out_, cos_p + r.r0 * D, sin_p + r.r0 * D,
-                                  rm, heads_, kv, layout, slots + r.r0, q + r.r0 * qd, r.u0,
-                                  r.u1);
-        team.barrier();
+        const auto rope = [&](int64_t r0, int64_t r1, int64_t u0, int64_t u1) {
+          exact::rope_write_kv_into(qkv + r0 * qkv_out_, cos_p + r0 * D, sin_p + r0 * D,
+                                    r1 - r0, heads_, kv, layout, slots + r0, q + r0 * qd, u0,
+                                    u1);
+        };
+        if (own) {  // every row, this thread's heads of them (the next op reads them all)
+          const auto [u0, u1] = team->part(heads_ + kv_heads_ + 1);
+          rope(0, T, u0, u1);
+          team->barrier();
+        } else {
+          exact::parallel_rows(T, [&](int64_t r0, int64_t r1) { rope(r0, r1, 0, -1); });
+        }
         exact::paged_attention_into(q, qd, head_dim_, heads_, kv, layout, index, scale_, attn);
         exact::linear_into(attn, T, l.o.w, o);
         const bf16_t* stream = res_in ? sum_a : in;  // the residual stream after attention
-        exact::rms_norm_into(o + n.r0 * H, stream + n.r0 * H, cdata(l.post_norm), nm, H, eps_,
-                             sum_b + n.r0 * H, h2_ + n.r0 * H, n.u0 * 16, n.u1 * 16);
-        row_op_done();
+        row_op([&](int64_t r0, int64_t r1) {
+          exact::rms_norm_into(o + r0 * H, stream + r0 * H, cdata(l.post_norm), r1 - r0, H,
+                               eps_, sum_b + r0 * H, h2_ + r0 * H);
+        });
         exact::linear_into(h2_, T, l.gate_up.w, gate_up);
-        exact::silu_mul_into(gate_up + s.r0 * 2 * I, s.r1 - s.r0, I, act_ + s.r0 * I,
-                             s.u0 * 16, s.u1 * 16);
-        row_op_done();
+        row_op([&](int64_t r0, int64_t r1) {
+          exact::silu_mul_into(gate_up + r0 * 2 * I, r1 - r0, I, act_ + r0 * I, T);
+        });
         bf16_t* const y = i + 1 == end ? data(out_x) : o;  // o is free again: the next input
         exact::linear_into(act_, T, l.down.w, y);
         in = y;

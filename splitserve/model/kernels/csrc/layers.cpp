@@ -12,7 +12,6 @@
 // (256 KB of fp32, L2-resident) and gathers from it, the same bits without an exp and a
 // division per element (those were 6% of a one-thread 512-token prefill step).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <tuple>
@@ -25,23 +24,22 @@ namespace {
 
 using namespace exact;
 
-// One row: the sum of squares over all H columns, h and y written for columns [c0, c1).
+// One row: h (with a residual) and y.
 AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf16_t* w,
-                                   int64_t H, float eps, bf16_t* h_out, bf16_t* y,
-                                   int64_t c0, int64_t c1) {
+                                   int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t c = 0; c < H; c += 16) {
     __m512 h = bf16x16_to_f32(x + c);
     if (res) {
       h = round_bf16(_mm512_add_ps(h, bf16x16_to_f32(res + c)));
-      if (c >= c0 && c < c1) _mm256_storeu_si256((__m256i*)(h_out + c), f32x16_to_bf16(h));
+      _mm256_storeu_si256((__m256i*)(h_out + c), f32x16_to_bf16(h));
     }
     ss = _mm512_fmadd_ps(h, h, ss);
   }
   const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
   const __m512 rv = _mm512_set1_ps(r);
   const bf16_t* src = res ? h_out : x;
-  for (int64_t c = c0; c < c1; c += 16) {
+  for (int64_t c = 0; c < H; c += 16) {
     const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_to_f32(src + c), rv));
     _mm256_storeu_si256((__m256i*)(y + c),
                         f32x16_to_bf16(_mm512_mul_ps(bf16x16_to_f32(w + c), n)));
@@ -49,14 +47,13 @@ AVX512_TARGET void norm_row_avx512(const bf16_t* x, const bf16_t* res, const bf1
 }
 
 AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t* w,
-                               int64_t H, float eps, bf16_t* h_out, bf16_t* y,
-                               int64_t c0, int64_t c1) {
+                               int64_t H, float eps, bf16_t* h_out, bf16_t* y) {
   V16 ss{_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < H; c += 8) {
     __m256 h = bf16x8_to_f32(x + c);
     if (res) {
       h = round_bf16(_mm256_add_ps(h, bf16x8_to_f32(res + c)));
-      if (c >= c0 && c < c1) _mm_storeu_si128((__m128i*)(h_out + c), f32x8_to_bf16(h));
+      _mm_storeu_si128((__m128i*)(h_out + c), f32x8_to_bf16(h));
     }
     __m256& lane = (c / 8) % 2 ? ss.hi : ss.lo;
     lane = _mm256_fmadd_ps(h, h, lane);
@@ -64,7 +61,7 @@ AVX2_TARGET void norm_row_avx2(const bf16_t* x, const bf16_t* res, const bf16_t*
   const float r = 1.0f / std::sqrt(tree16(ss) / (float)H + eps);
   const __m256 rv = _mm256_set1_ps(r);
   const bf16_t* src = res ? h_out : x;
-  for (int64_t c = c0; c < c1; c += 8) {
+  for (int64_t c = 0; c < H; c += 8) {
     const __m256 n = round_bf16(_mm256_mul_ps(bf16x8_to_f32(src + c), rv));
     _mm_storeu_si128((__m128i*)(y + c), f32x8_to_bf16(_mm256_mul_ps(bf16x8_to_f32(w + c), n)));
   }
@@ -137,31 +134,23 @@ void check_rows(const at::Tensor& t, const char* name, int64_t multiple) {
 namespace exact {
 
 void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
-                   int64_t H, float eps, bf16_t* h, bf16_t* y, int64_t c0, int64_t c1) {
+                   int64_t H, float eps, bf16_t* h, bf16_t* y) {
   const auto row = get_isa() >= 2 ? norm_row_avx512 : norm_row_avx2;
-  if (c1 < 0) c1 = H;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t i = begin; i < end; ++i)
-      row(x + i * H, residual ? residual + i * H : nullptr, weight, H, eps,
-          residual ? h + i * H : nullptr, y + i * H, c0, c1);
-  });
+  FlushDenormals guard;
+  for (int64_t i = 0; i < M; ++i)
+    row(x + i * H, residual ? residual + i * H : nullptr, weight, H, eps,
+        residual ? h + i * H : nullptr, y + i * H);
 }
 
-void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t c0,
-                   int64_t c1) {
+void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t op_rows) {
   constexpr int64_t kTableRows = 5;  // from this many rows on, the table pays for itself
-  if (c1 < 0) c1 = I;
-  const bool table = get_isa() >= 2 && M >= kTableRows;
-  if (table) silu_table();  // built here, not by the first of several threads
+  const bool table = get_isa() >= 2 && (op_rows < 0 ? M : op_rows) >= kTableRows;
+  if (table) silu_table();  // built on first use (a static: once, whichever thread)
   const auto row = get_isa() < 2 ? silu_mul_row_avx2
                    : table       ? silu_mul_row_avx512
                                  : silu_mul_row_formula_avx512;
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t i = begin; i < end; ++i)
-      row(gate_up + i * 2 * I + c0, gate_up + i * 2 * I + I + c0, c1 - c0, y + i * I + c0);
-  });
+  FlushDenormals guard;
+  for (int64_t i = 0; i < M; ++i) row(gate_up + i * 2 * I, gate_up + i * 2 * I + I, I, y + i * I);
 }
 
 // Blocks of the row scanned for their maximum (and any NaN) 32 lanes at a time, then the
@@ -227,11 +216,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                 residual->scalar_type() == at::kBFloat16, "residual must match x");
   at::Tensor y = at::empty_like(x);
   at::Tensor h = has_res ? at::empty_like(x) : x;
-  exact::rms_norm_into(reinterpret_cast<const bf16_t*>(x.data_ptr()),
-                       has_res ? reinterpret_cast<const bf16_t*>(residual->data_ptr()) : nullptr,
-                       reinterpret_cast<const bf16_t*>(weight.data_ptr()), x.size(0), x.size(1),
-                       (float)eps, reinterpret_cast<bf16_t*>(h.data_ptr()),
-                       reinterpret_cast<bf16_t*>(y.data_ptr()));
+  const int64_t H = x.size(1);
+  const auto* xs = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  const auto* rs = has_res ? reinterpret_cast<const bf16_t*>(residual->data_ptr()) : nullptr;
+  const auto* w = reinterpret_cast<const bf16_t*>(weight.data_ptr());
+  auto *hs = reinterpret_cast<bf16_t*>(h.data_ptr()), *ys = reinterpret_cast<bf16_t*>(y.data_ptr());
+  exact::parallel_rows(x.size(0), [&](int64_t r0, int64_t r1) {
+    exact::rms_norm_into(xs + r0 * H, rs ? rs + r0 * H : nullptr, w, r1 - r0, H, (float)eps,
+                         hs + r0 * H, ys + r0 * H);
+  });
   return {y, h};
 }
 
@@ -240,7 +233,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up", 32);
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor y = at::empty({M, I}, gate_up.options());
-  exact::silu_mul_into(reinterpret_cast<const bf16_t*>(gate_up.data_ptr()), M, I,
-                       reinterpret_cast<bf16_t*>(y.data_ptr()));
+  const auto* g = reinterpret_cast<const bf16_t*>(gate_up.data_ptr());
+  auto* ys = reinterpret_cast<bf16_t*>(y.data_ptr());
+  exact::parallel_rows(M, [&](int64_t r0, int64_t r1) {
+    exact::silu_mul_into(g + r0 * 2 * I, r1 - r0, I, ys + r0 * I, M);
+  });
   return y;
 }

@@ -52,16 +52,16 @@ PackedLinear packed_linear(const at::Tensor& w_packed, int64_t K, int64_t N,
                            const c10::optional<at::Tensor>& scale);
 void linear_into(const bf16_t* x, int64_t M, const PackedLinear& w, bf16_t* y);
 
+// Row-wise ops: each computes its M rows on the calling thread (parallel_rows shares an
+// op's rows out).
 // h = x + residual (when residual is not null; h may then be neither x nor residual), y its
-// norm; x, residual, h, y [M, H]. [c0, c1): the columns of h and y written (all when c1 <
-// 0; multiples of 16), each row's sum of squares always over all H.
+// norm; x, residual, h, y [M, H].
 void rms_norm_into(const bf16_t* x, const bf16_t* residual, const bf16_t* weight, int64_t M,
-                   int64_t H, float eps, bf16_t* h, bf16_t* y, int64_t c0 = 0,
-                   int64_t c1 = -1);
-// y [M, I] = silu(gate) * up for gate_up [M, 2I]; columns [c0, c1) (all when c1 < 0;
-// multiples of 16).
-void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y, int64_t c0 = 0,
-                   int64_t c1 = -1);
+                   int64_t H, float eps, bf16_t* h, bf16_t* y);
+// y [M, I] = silu(gate) * up for gate_up [M, 2I]. op_rows: the rows of the whole op these M
+// are part of (M when < 0), which decides the AVX-512 path's way (the same bits).
+void silu_mul_into(const bf16_t* gate_up, int64_t M, int64_t I, bf16_t* y,
+                   int64_t op_rows = -1);
 // The first index of v[0, n)'s maximum, a NaN counting as above everything (numpy's and
 // torch's argmax): the greedy token of a row of logits.
 int64_t first_max(const float* v, int64_t n);

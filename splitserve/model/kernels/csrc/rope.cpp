@@ -4,7 +4,6 @@
 //   y[d] = bf16( bf16(x[d] * cos[d]) + bf16(x[(d + D/2) % D] * signed_sin[d]) )
 // (rotate-half with its sign folded into the sin table, as layers.apply_rotary does).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cstring>
 
@@ -48,18 +47,16 @@ void rope_write_kv_into(const bf16_t* qkv, const bf16_t* cos, const bf16_t* sin,
   const int64_t W = (H + 2 * HKV) * D;
   if (u1 < 0) u1 = H + HKV + 1;
   const auto head = get_isa() >= 2 && D % 32 == 0 ? rope_head_avx512 : rope_head_avx2;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    FlushDenormals guard;
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16_t* row = qkv + t * W;
-      for (int64_t j = u0; j < u1; ++j) {
-        if (j < H) head(row + j * D, cos + t * D, sin + t * D, D, q + (t * H + j) * D);
-        else if (j < H + HKV)
-          head(row + j * D, cos + t * D, sin + t * D, D, kv + (slots[t] * HKV + j - H) * D);
-        else std::memcpy(v + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
-      }
+  FlushDenormals guard;
+  for (int64_t t = 0; t < T; ++t) {
+    const bf16_t* row = qkv + t * W;
+    for (int64_t j = u0; j < u1; ++j) {
+      if (j < H) head(row + j * D, cos + t * D, sin + t * D, D, q + (t * H + j) * D);
+      else if (j < H + HKV)
+        head(row + j * D, cos + t * D, sin + t * D, D, kv + (slots[t] * HKV + j - H) * D);
+      else std::memcpy(v + slots[t] * HKV * D, row + (H + HKV) * D, sizeof(bf16_t) * HKV * D);
     }
-  });
+  }
 }
 
 }  // namespace exact
@@ -78,10 +75,14 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   exact::check_rope_tables(cos, sin, T, D);
   const int64_t* slots = exact::checked_slots(slot_mapping, T, layout);
   at::Tensor q = at::empty({T, H, D}, qkv.options());
-  exact::rope_write_kv_into(reinterpret_cast<const bf16_t*>(qkv.data_ptr()),
-                            reinterpret_cast<const bf16_t*>(cos.data_ptr()),
-                            reinterpret_cast<const bf16_t*>(sin.data_ptr()), T, H,
-                            reinterpret_cast<bf16_t*>(kv_layer.data_ptr()), layout, slots,
-                            reinterpret_cast<bf16_t*>(q.data_ptr()));
+  const auto* x = reinterpret_cast<const bf16_t*>(qkv.data_ptr());
+  const auto* c = reinterpret_cast<const bf16_t*>(cos.data_ptr());
+  const auto* s = reinterpret_cast<const bf16_t*>(sin.data_ptr());
+  auto* kv = reinterpret_cast<bf16_t*>(kv_layer.data_ptr());
+  auto* qs = reinterpret_cast<bf16_t*>(q.data_ptr());
+  exact::parallel_rows(T, [&](int64_t r0, int64_t r1) {
+    exact::rope_write_kv_into(x + r0 * qkv.size(1), c + r0 * D, s + r0 * D, r1 - r0, H, kv,
+                              layout, slots + r0, qs + r0 * H * D);
+  });
   return q;
 }

@@ -120,8 +120,8 @@ namespace exact {
 // With each op in a region of its own, a batch-1 step paid a region's start and end ~150
 // times, ~2 us each on two threads (the master's way in 0.6-1.3 us, the join 0.5-0.8,
 // timed around 0.66 MB linears): every thread of a team runs the decoder's code, each op
-// shares its tasks out through the team (parallel_tasks) or splits its rows
-// (TeamView::rows), and the threads meet at a spin barrier (~0.1 us) after each op.
+// shares its tasks out through the team (parallel_tasks, parallel_rows), and the threads
+// meet at a spin barrier (~0.1 us) after each op.
 class Team {
  public:
   // Runs body() on every thread of a team of the pool's threads, in one parallel region
@@ -200,8 +200,8 @@ class Team {
     barrier();
   }
 
-  // Rows [begin, end) of n for the calling thread.
-  std::pair<int64_t, int64_t> rows(int64_t n) const {
+  // Units [begin, end) of n for the calling thread (its heads of a decode step's rotary).
+  std::pair<int64_t, int64_t> part(int64_t n) const {
     return {n * me_ / threads_, n * (me_ + 1) / threads_};
   }
 
@@ -223,32 +223,6 @@ class Team {
   std::atomic<bool> failed_{false};
   static inline thread_local Team* current_ = nullptr;
   static inline thread_local int64_t me_ = 0;
-};
-
-// What an op of the decoder sees of its team: the part of a row-wise op it does and the
-// barrier after each op; or (no team: the op runs on the caller, its own parallel regions
-// inside) all of it and no barrier.
-struct TeamView {
-  // Rows [r0, r1) and, in each, units [u0, u1) (groups of columns, heads).
-  struct Part {
-    int64_t r0, r1, u0, u1;
-  };
-  Team* team = Team::current();
-  // Of T rows of `units` each: the thread's rows; with fewer rows than threads (a decode
-  // step), every row and the thread's units (a norm's sum of squares is then computed by
-  // each: the same bits, half the latency of a one-token op on one thread).
-  Part part(int64_t T, int64_t units) const {
-    if (!team) return {0, T, 0, units};
-    if (T >= team->threads()) {
-      const auto [r0, r1] = team->rows(T);
-      return {r0, r1, 0, units};
-    }
-    const auto [u0, u1] = team->rows(units);
-    return {0, T, u0, u1};
-  }
-  void barrier() const {
-    if (team) team->barrier();
-  }
 };
 
 // Runs worker(tasks) on up to `n` threads of the pool (once, inline, inside a parallel
@@ -273,6 +247,22 @@ void parallel_tasks(int64_t n, const F& worker) {
     worker(tasks);
   });
   if (offered) Helpers::get().close();
+}
+
+// Rows [0, T) of a row-wise op (a norm, SiLU, rotary) as up to kRowTasks tasks of
+// consecutive rows (parallel_tasks: in a team, its threads and any helpers take them);
+// rows(r0, r1) computes rows [r0, r1) on the calling thread. A row's bits do not depend on
+// its task. (They were split among a team's threads once: a disaggregated prefill worker's
+// one-thread team then ran them alone while its helper waited, and a 512-token prefill
+// with the helper took 926 ms where two threads took 887; 879 with the rows as tasks, a
+// Zen 3: docs/benchmarks.md, "Serving overhead: reading the numbers", 2026-12-05.)
+constexpr int64_t kRowTasks = 16;
+template <typename F>
+void parallel_rows(int64_t T, const F& rows) {
+  const int64_t n = std::min<int64_t>(std::max<int64_t>(T, 0), kRowTasks);
+  parallel_tasks(n, [&](Tasks& tasks) {
+    for (int64_t k; tasks.take(k);) rows(T * k / n, T * (k + 1) / n);
+  });
 }
 
 }  // namespace exact
