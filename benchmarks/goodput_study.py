@@ -44,7 +44,7 @@ from splitserve.bench.client import ServerInfo  # noqa: E402
 from splitserve.bench.workload import WorkloadInfo, build_workload  # noqa: E402
 from benchmarks.goodput_setups import (chosen_layout, CALIBRATE_RUN, DEFAULT_CONFIGS,  # noqa: E402
                                        FIRST_POINT_RUN, MAX_MODEL_LEN, SETUPS, WARMUP_RUN,
-                                       WORKLOADS, Workload, serving)
+                                       VLLM_CONFIGS, WORKLOADS, Workload, serving)
 from benchmarks.vllm_peer import VllmPeer  # noqa: E402
 from benchmarks.goodput_report import SECTION, TARGET, section_body  # noqa: E402
 
@@ -253,7 +253,7 @@ def estimate_s(w: Workload, args: argparse.Namespace, n: int) -> float:
     ladder, s, top = w.ladder(args.quick), w.start, len(w.ladder(args.quick)) - 1
     cost = [25 + sum((n - 1) / ladder[i] + w.tail_s for i in path[:args.max_points])
             for path in ([s, min(s + 2, top), s + 1], [s, max(s - 2, 0), max(s - 1, 0)])]
-    load = VLLM_LOAD_S if "vllm" in args.configs else 0.0
+    load = VLLM_LOAD_S * len(set(args.configs) & set(VLLM_CONFIGS))
     return 20 + load + (len(args.configs) - 1) * cost[0] + cost[1]
 
 
@@ -300,7 +300,7 @@ def main() -> int:
     args = parse_args()
     # Installed and built before any server starts: neither lands in a measurement.
     args.peer = (VllmPeer.prepare(args.vllm_env, args.vllm_model_dir)
-                 if "vllm" in args.configs else None)
+                 if set(args.configs) & set(VLLM_CONFIGS) else None)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tables = list(WORKLOADS.values()) if args.table == "all" else [WORKLOADS[args.table]]

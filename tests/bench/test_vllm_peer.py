@@ -136,6 +136,8 @@ def test_server_command_line_matches_what_the_study_sends(tmp_path: Path) -> Non
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["PATH"] == "/bin"
     assert "OMP_NUM_THREADS" not in env  # vLLM sets it per process from the binding
     assert int(env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+    fp32 = peer.VllmServer(Path("/p"), tmp_path, port=1, flags=peer.server_flags("float32"))
+    assert fp32.command()[7:11] == ["--dtype", "float32", "--max-model-len", "4096"]
     bound = peer.VllmServer(Path("/p"), tmp_path, cores=(0, 1), port=1, omp_bind="0-1")
     assert bound.environment({})["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert peer.cores_text((0, 2, 5)) == "0,2,5" and peer.cores_text((3,)) == "3"
