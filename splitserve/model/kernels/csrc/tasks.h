@@ -256,10 +256,16 @@ void parallel_tasks(int64_t n, const F& worker) {
 // one-thread team then ran them alone while its helper waited, and a 512-token prefill
 // with the helper took 926 ms where two threads took 887; 879 with the rows as tasks, a
 // Zen 3: docs/benchmarks.md, "Serving overhead: reading the numbers", 2026-12-05.)
+// Outside a team a task has kRowsAlone rows at least: there each op with more than one
+// task opens a parallel region (~2 us on two threads), more than a few rows' work, so a
+// decode step of up to 16 sequences runs its row ops inline, as at::parallel_for with that
+// grain did before them (AMX runs its decoder outside a team).
 constexpr int64_t kRowTasks = 16;
+constexpr int64_t kRowsAlone = 16;
 template <typename F>
 void parallel_rows(int64_t T, const F& rows) {
-  const int64_t n = std::min<int64_t>(std::max<int64_t>(T, 0), kRowTasks);
+  const int64_t per = Team::current() ? 1 : kRowsAlone;
+  const int64_t n = std::min<int64_t>((std::max<int64_t>(T, 0) + per - 1) / per, kRowTasks);
   parallel_tasks(n, [&](Tasks& tasks) {
     for (int64_t k; tasks.take(k);) rows(T * k / n, T * (k + 1) / n);
   });
