@@ -198,7 +198,7 @@ class VllmServer:
     ready_timeout_s: float = READY_TIMEOUT_S
     stop_timeout_s: float = 30.0
     log_path: Path | None = None
-    flags: tuple[str, ...] = field(default_factory=lambda: server_flags())
+    flags: tuple[str, ...] = field(default_factory=server_flags)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

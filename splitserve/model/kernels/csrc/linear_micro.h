@@ -228,15 +228,31 @@ AVX2_TARGET void widen_group(const W* w, int64_t KP, int nb, float* out) {
     }
 }
 
-inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t K, int64_t rows, float* out) {
+// 8 pairs a step: their words' high and low halves, interleaved (odd, even) per pair.
+AVX2_TARGET inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t K, int64_t rows,
+                                   float* out) {
   const int64_t KP = (K + 1) / 2, full_pairs = K / 2;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < KP; ++p) {
-      const uint32_t pair = load_pair(x + r * ldx + 2 * p, p < full_pairs);
-      const uint32_t odd = pair & 0xFFFF0000u, even = pair << 16;
-      std::memcpy(out + (r * KP + p) * 2, &odd, sizeof(float));
-      std::memcpy(out + (r * KP + p) * 2 + 1, &even, sizeof(float));
+  const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16_t* row = x + r * ldx;
+    float* o = out + r * KP * 2;
+    int64_t p = 0;
+    for (; p + 8 <= full_pairs; p += 8) {
+      const __m256i words = _mm256_loadu_si256((const __m256i*)(row + 2 * p));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, hi));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      const __m256 a = _mm256_unpacklo_ps(odd, even);  // pairs 0, 1 | 4, 5
+      const __m256 b = _mm256_unpackhi_ps(odd, even);  // pairs 2, 3 | 6, 7
+      _mm256_storeu_ps(o + 2 * p, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(o + 2 * p + 8, _mm256_permute2f128_ps(a, b, 0x31));
     }
+    for (; p < KP; ++p) {
+      const uint32_t pair = load_pair(row + 2 * p, p < full_pairs);
+      const uint32_t odd = pair & 0xFFFF0000u, even = pair << 16;
+      std::memcpy(o + 2 * p, &odd, sizeof(float));
+      std::memcpy(o + 2 * p + 1, &even, sizeof(float));
+    }
+  }
 }
 
 // R rows of xf (widened, [R][KP][2]) over k pairs [p0, p1) of one block of the widened
