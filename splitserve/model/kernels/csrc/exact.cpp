@@ -103,8 +103,9 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
 // (column group, row chunk) tasks (parallel_tasks): never a reduction. A task of at most
 // one micro-kernel's rows (decode) reads its weights once, so it prefetches them past the
 // caches (linear_micro.h's kPrefetchBytes). A task of more rows first widens its group
-// once, into a per-thread buffer that stays in L2: to fp32 for the AVX2 panels
-// (linear_micro.h), and an int8 group to bf16 for the AVX-512 micro-kernels. The same
+// once, into a per-thread buffer: to fp32 for the AVX2 panels (linear_micro.h; up to 30
+// rows a k chunk at a time, in L1), and an int8 group to bf16 for the AVX-512
+// micro-kernels. The same
 // values, so the same bits, with the widening paid once per 60 rows instead of once per 6.
 // On AMX (K a multiple of 32, every row count) the tiles (linear_amx.h) take the group
 // instead, an int8 group always widened to bf16 first.
@@ -125,7 +126,7 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
     FlushDenormals guard;  // the AVX2 path's FTZ|DAZ; harmless for AVX-512 BF16
     AmxTiles tiles;  // configured on first use, released at the end
     AmxStage stage;  // AMX: the last tile pass's rows are stored during the next one
-    std::vector<float> panel, rows, acc;  // AVX2: group, rows and sums in fp32 (run_panels)
+    std::vector<float> panel, rows, acc;  // AVX2: a k chunk of the group, rows, sums (fp32)
     std::vector<bf16_t> widened;  // AVX-512, AMX: an int8 group widened to bf16
     for (int64_t task; tasks.take(task);) {
       const int64_t g = task / row_chunks, rc = task % row_chunks;
@@ -138,12 +139,11 @@ void run_linear(const bf16_t* xp, const W* wp, const float* scale, const float* 
       const float* bi = b ? b + n0 : nullptr;
       const bool one_pass = r_end - r0 <= kMaxRows;  // decode: each weight is read once
       if (!one_pass && isa == kAvx2) {
-        panel.resize(nb * w_block);
+        panel.resize(panel_floats(r_end - r0, KP, nb));
         rows.resize((r_end - r0) * KP * 2);
-        acc.resize((r_end - r0) * kLanes);
-        widen_group(w, KP, nb, panel.data());
-        run_panels(xp + r0 * K, K, K, panel.data(), nb, sc, bi, yp + r0 * N + n0, N, n_valid,
-                   r_end - r0, rows.data(), acc.data());
+        acc.resize(nb * (r_end - r0) * kLanes);
+        run_panels(xp + r0 * K, K, K, w, nb, sc, bi, yp + r0 * N + n0, N, n_valid,
+                   r_end - r0, rows.data(), panel.data(), acc.data());
         continue;
       }
       const bf16_t* w16 = nullptr;

@@ -217,14 +217,16 @@ AVX2_TARGET void micro_avx2(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
 constexpr int kPanelRows = 5;
 constexpr int64_t kPanelPairs = 32;
 
+// k pairs [p0, p1) of a group, widened: out [p1 - p0][2 nb halves][odd 8 | even 8].
 template <typename W>
-AVX2_TARGET void widen_group(const W* w, int64_t KP, int nb, float* out) {
-  for (int64_t p = 0; p < KP; ++p)
+AVX2_TARGET void widen_group(const W* w, int64_t p0, int64_t p1, int nb, float* out) {
+  for (int64_t p = p0; p < p1; ++p)
     for (int c = 0; c < 2 * nb; ++c) {  // half c: block c / 2, columns 8 (c % 2) ..
       __m256 odd, even;
       load_w256(w + (p * nb * 2 + c) * kLanes, odd, even);
-      _mm256_storeu_ps(out + (p * nb * 2 + c) * 16, odd);
-      _mm256_storeu_ps(out + (p * nb * 2 + c) * 16 + 8, even);
+      float* o = out + ((p - p0) * nb * 2 + c) * 16;
+      _mm256_storeu_ps(o, odd);
+      _mm256_storeu_ps(o + 8, even);
     }
 }
 
@@ -256,7 +258,8 @@ AVX2_TARGET inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t K, int6
 }
 
 // R rows of xf (widened, [R][KP][2]) over k pairs [p0, p1) of one block of the widened
-// group (wf at its first half); acc [R][16]: zero when p0 == 0, else the chunk before's.
+// chunk (wf: pair p0 of the block's first half); acc [R][16]: zero when p0 == 0, else the
+// chunk before's.
 template <int R>
 AVX2_TARGET void panel_avx2(const float* xf, int64_t KP, int64_t p0, int64_t p1,
                             const float* wf, int64_t pair_stride, float* acc_out) {
@@ -267,7 +270,7 @@ AVX2_TARGET void panel_avx2(const float* xf, int64_t KP, int64_t p0, int64_t p1,
     for (int h = 0; h < 2; ++h)
       acc[r][h] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_out + r * 16 + h * 8);
   for (int64_t p = p0; p < p1; ++p) {
-    const float* wp = wf + p * pair_stride;
+    const float* wp = wf + (p - p0) * pair_stride;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 ao = _mm256_broadcast_ss(xf + (r * KP + p) * 2);
@@ -286,35 +289,60 @@ AVX2_TARGET void panel_avx2(const float* xf, int64_t KP, int64_t p0, int64_t p1,
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_out + r * 16 + h * 8, acc[r][h]);
 }
 
-// `rows` rows of x over a widened group of `nb` blocks (n_valid columns of y): a block at
-// a time, k in chunks, kPanelRows rows at a time (the last fewer). `xf`: rows * KP * 2
-// floats, `acc`: rows * 16 (per-thread buffers).
-AVX2_TARGET inline void run_panels(const bf16_t* x, int64_t ldx, int64_t K, const float* wf,
+// `rows` rows of x over a group of `nb` packed blocks (n_valid columns of y), a block at a
+// time, kPanelRows rows at a time (the last fewer), k in chunks of kPanelPairs. Many rows
+// (a prefill's task) widen the whole group first, into L2, each block's chunk then read
+// by all their panels. Up to kChunkRows rows (a decode step's) widen the group a chunk at
+// a time instead, all its blocks (16 KiB at 4: it stays in L1), and run every block's
+// panels on it: the whole group widened (147 KiB at K 576, 393 at K 1,536) cost ~3 us a
+// task, before any FMA, and went past L2 at K 1,536 (the down projection's 8 rows ran at
+// ~35 GFLOP/s a thread there, ~60 now; a batch-8 decode step ~5% faster on a Zen 3; 32
+// rows chunked were slower at the engine: the sums of 32 rows, 4 blocks each, crowd L1).
+// `xf`: rows * KP * 2 floats, `wf`: panel_floats, `acc`: nb * rows * 16 (per-thread).
+constexpr int64_t kChunkRows = 30;
+inline int64_t panel_floats(int64_t rows, int64_t KP, int nb) {
+  return (rows <= kChunkRows ? std::min(KP, kPanelPairs) : KP) * nb * 2 * kLanes;
+}
+template <typename W>
+AVX2_TARGET inline void run_panels(const bf16_t* x, int64_t ldx, int64_t K, const W* w,
                                    int nb, const float* scale, const float* bias, bf16_t* y,
                                    int64_t ldy, int64_t n_valid, int64_t rows, float* xf,
-                                   float* acc) {
+                                   float* wf, float* acc) {
   using Panel = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t,
                          float*);
   static constexpr Panel kPanels[kPanelRows] = {panel_avx2<1>, panel_avx2<2>, panel_avx2<3>,
                                                 panel_avx2<4>, panel_avx2<5>};
   const int64_t KP = (K + 1) / 2, pair_stride = nb * 2 * kLanes;  // floats per k pair
+  const int blocks = (int)std::min<int64_t>(nb, (n_valid + kLanes - 1) / kLanes);
+  const bool chunked = rows <= kChunkRows;
+  auto panels = [&](int b, int64_t p0, int64_t p1, const float* chunk) AVX2_TARGET {
+    for (int64_t r = 0; r < rows; r += kPanelRows) {
+      const int n = (int)std::min<int64_t>(kPanelRows, rows - r);
+      kPanels[n - 1](xf + r * KP * 2, KP, p0, p1, chunk + b * 32, pair_stride,
+                     acc + (b * rows + r) * 16);
+    }
+  };
   widen_rows(x, ldx, K, rows, xf);
-  for (int b = 0; b < nb && b * kLanes < n_valid; ++b) {
+  if (chunked) {
     for (int64_t p0 = 0; p0 < KP; p0 += kPanelPairs) {
       const int64_t p1 = std::min(KP, p0 + kPanelPairs);
-      for (int64_t r = 0; r < rows; r += kPanelRows) {
-        const int n = (int)std::min<int64_t>(kPanelRows, rows - r);
-        kPanels[n - 1](xf + r * KP * 2, KP, p0, p1, wf + b * 32, pair_stride, acc + r * 16);
-      }
+      widen_group(w, p0, p1, nb, wf);
+      for (int b = 0; b < blocks; ++b) panels(b, p0, p1, wf);
     }
+  } else {
+    widen_group(w, 0, KP, nb, wf);
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t p0 = 0; p0 < KP; p0 += kPanelPairs)
+        panels(b, p0, std::min(KP, p0 + kPanelPairs), wf + p0 * pair_stride);
+  }
+  for (int b = 0; b < blocks; ++b)
     for (int h = 0; h < 2; ++h) {
       const int64_t n0 = b * kLanes + h * 8, left = n_valid - n0;
       if (left <= 0) break;
       for (int64_t r = 0; r < rows; ++r)
-        store_cols8(_mm256_loadu_ps(acc + r * 16 + h * 8), scale, bias, n0,
+        store_cols8(_mm256_loadu_ps(acc + (b * rows + r) * 16 + h * 8), scale, bias, n0,
                     left < 8 ? left : 8, y + r * ldy);
     }
-  }
 }
 
 }  // namespace exact
