@@ -105,8 +105,8 @@ AVX512_TARGET void widen_int8_avx512(const int8_t* q, bf16_t* out, int64_t n) {
 // caches (linear_micro.h's kPrefetchBytes). A task of more rows first widens its group
 // once, into a per-thread buffer: to fp32 for the AVX2 panels (linear_micro.h; up to 30
 // rows a k chunk at a time, in L1), and an int8 group to bf16 for the AVX-512
-// micro-kernels. The same
-// values, so the same bits, with the widening paid once per 60 rows instead of once per 6.
+// micro-kernels. The same values, so the same bits, with the widening paid once per 60
+// rows instead of once per 6.
 // On AMX (K a multiple of 32, every row count) the tiles (linear_amx.h) take the group
 // instead, an int8 group always widened to bf16 first.
 template <typename W>
