@@ -78,6 +78,7 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
                                     cpu_cores=mine or None, nice=config.worker_nice,
                                     borrowed_cores=helped, leases=leases, pace_s=paced,
                                     kv_transport=config.kv_transport,
+                                    kv_stream_layers=config.kv_stream_layers,
                                     fault_injection=config.enable_fault_injection,
                                     heartbeat_interval_s=heartbeat_s,
                                     store=store_options(config.store, f"{role.value}-{index}")))

@@ -48,10 +48,14 @@ class KVSender:
         handle.poll() -> Pending | Transferring | Done | Failed(reason)
     """
 
-    def __init__(self, engine: KVConnector, *,
-                 compression: Compression = Compression.NONE) -> None:
+    def __init__(self, engine: KVConnector, *, compression: Compression = Compression.NONE,
+                 stream_layers: bool = True) -> None:
         self.engine = engine
         self.compression = compression
+        # True: a prefill step that completes a transfer's prompt runs layer by layer and
+        # each layer leaves as soon as it is computed; False: the step runs in one call and
+        # `poll` copies every layer after it (nothing of the transfer inside the step).
+        self.stream_layers = stream_layers
         self.num_released = 0  # requests whose held KV this sender freed (exactly once each)
         self._exports: dict[str, Export] = {}
         self._faults: dict[str, WireFault] = {}  # armed, by request id (fault injection)
@@ -64,7 +68,8 @@ class KVSender:
     def start(self, request_id: str, plan: TransferPlan, *, namespace: str | None = None,
               compression: Compression | None = None) -> TransferHandle:
         """Streams the prompt KV of a request added with `hold_kv=True` and not yet
-        prefilled: each layer leaves as soon as the prefill step computed it.
+        prefilled: each layer leaves as soon as the prefill step computed it
+        (`stream_layers`), else every layer right after the step.
         `namespace` is the one the request was added with (checked against the engine)."""
         req = self.engine.request_state(request_id)
         if req is None or not req.hold_kv:
@@ -162,7 +167,8 @@ class KVSender:
         """The layer callback for a step that completes a streamed prompt; None for any
         other step, so it runs its layers in one call."""
         chained = self._chained(batch) if self._chained is not None else None
-        streams = self._streams_completing_in(batch) if self._exports else []
+        streams = (self._streams_completing_in(batch)
+                   if self._exports and self.stream_layers else [])
         if not streams:
             return chained
 
@@ -233,6 +239,8 @@ class KVSender:
             return
         export.prefill_done = True
         export.compute_end = now
+        if export.handle.poll().is_terminal:  # cancelled meanwhile: nothing to send
+            return
         if export.layers_copied < export.header.num_layers:
             # The prefill ran before start() (or without streaming): copy from held blocks.
             try:

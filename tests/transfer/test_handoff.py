@@ -105,6 +105,33 @@ def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
     assert send.telemetry.layers_during_compute == NUM_LAYERS
 
 
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_without_layer_streaming_the_kv_leaves_after_the_step(
+        make_pair: Callable[..., Pair], reference: Callable, transport: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stream_layers=False` (what serve's workers run unless --kv-stream-layers): the
+    prefill step runs in one call and every layer is copied from the held blocks after it;
+    B continues exactly as A alone would, and nothing leaks."""
+    pair = make_pair(transport, a_kwargs={"max_num_batched_tokens": 16})
+    pair.sender.stream_layers = False
+    per_layer: list[bool] = []
+    execute = pair.a.engine.runner.execute
+
+    def noting(batch: ScheduledBatch,
+               on_layer_end: Callable[[int], None] | None = None) -> RunnerOutput:
+        per_layer.append(on_layer_end is not None)
+        return execute(batch, on_layer_end)
+
+    monkeypatch.setattr(pair.a.engine.runner, "execute", noting)
+    prompt = list(range(4200, 4245))  # 3 prefill steps on A
+    tokens, send, recv = pair.handoff("s", prompt, GREEDY)
+    assert per_layer == [False, False, False]
+    assert tokens == reference(prompt, GREEDY)
+    assert send.poll().state == recv.poll().state == TransferState.DONE
+    assert send.telemetry.layers_during_compute == 0
+    assert pair.sender.num_released == 1
+
 def test_two_requests_stream_from_one_step(make_pair: Callable[..., Pair],
                                            reference: Callable) -> None:
     pair = make_pair("tcp")

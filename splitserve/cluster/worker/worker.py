@@ -59,7 +59,7 @@ class Worker(RequestHandling):
         self.store = WorkerStore.build(self.engine, spec.store, secret.store_key)
         # Every role sends KV: prefill workers their prefills, decode workers the running
         # sequences they hand over (live migration, Migrate).
-        self.sender = KVSender(self.engine)
+        self.sender = KVSender(self.engine, stream_layers=spec.kv_stream_layers)
         self.handoffs = Handoffs(self.engine, self.sender)
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen(
             f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
@@ -95,9 +95,10 @@ class Worker(RequestHandling):
                 self.reports.step_done(engine)
                 if self.store is not None:
                     self.store.observe_step(engine.last_step)
-            self._move_kv(outputs)
-            for out in outputs:
+            for out in outputs:  # the tokens leave first: a prefill's KV is copied after
                 self._output(out)
+            self._flush_outputs()
+            self._move_kv(outputs)
             self._flush_outputs()
             self._publish_events()
             if self.reports.is_due():
