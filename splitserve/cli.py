@@ -116,8 +116,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
     p.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="disagg: a prefill's KV leaves layer by layer during its step, "
-                   "overlapping the transfer with the compute (default: off, all layers "
-                   "right after the step, once its first token is sent)")
+                   "overlapping the transfer with the compute (default: on; off: every "
+                   "layer right after the step, once its first token is sent)")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")
     p.add_argument("--max-queue-len", type=int, help="admission queue bound (then 429)")

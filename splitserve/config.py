@@ -253,11 +253,11 @@ class ServeConfig:
     pace_decode: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
     # A prefill's KV leaves layer by layer while its step runs (overlapping the transfer
-    # with the compute), not all of it right after the step. Off by default: on CPU cores
-    # the step computes on, the per-layer calls and the transfer's threads delay the first
-    # token (~13 ms of a 512-token prompt on a 2-core Zen 4, docs/benchmarks.md), which the
-    # prefill worker sends before the KV either way.
-    kv_stream_layers: bool = False
+    # with the compute), not all of it right after the step. On by default: off, a long
+    # prompt's decode starts its transfer's time later (goodput (c) on a Zen 4: one ladder
+    # step lower, docs/benchmarks.md); on, the per-layer calls and the transfer's threads
+    # cost the step, which holds the first token, ~5-13 ms of a 512-token prompt there.
+    kv_stream_layers: bool = True
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"
     # (a new attempt with a new transfer) or "fail" (the client gets an error).

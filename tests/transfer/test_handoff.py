@@ -110,7 +110,7 @@ def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
 def test_without_layer_streaming_the_kv_leaves_after_the_step(
         make_pair: Callable[..., Pair], reference: Callable, transport: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`stream_layers=False` (what serve's workers run unless --kv-stream-layers): the
+    """`stream_layers=False` (serve's --no-kv-stream-layers): the
     prefill step runs in one call and every layer is copied from the held blocks after it;
     B continues exactly as A alone would, and nothing leaks."""
     pair = make_pair(transport, a_kwargs={"max_num_batched_tokens": 16})

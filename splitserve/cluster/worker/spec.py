@@ -34,7 +34,7 @@ class WorkerSpec:
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
     # A prefill's KV leaves layer by layer during its step (KVSender.stream_layers), not
     # after it (ServeConfig.kv_stream_layers).
-    kv_stream_layers: bool = False
+    kv_stream_layers: bool = True
     # The TCP KV listener binds this host with port 0 and publishes the address it got
     # (WorkerReady.kv_address): the node's own address on Ray, loopback locally.
     kv_host: str = "127.0.0.1"
