@@ -79,13 +79,9 @@ def test_chunked_prefill_streams_during_the_last_chunk(make_pair: Callable[..., 
     assert send.telemetry.layers_during_compute == NUM_LAYERS
 
 
-def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
-        make_pair: Callable[..., Pair], reference: Callable,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender hands the engine a per-layer callback for the step that computes a
-    streamed prompt's last token and for no other: any other step (another request's, an
-    earlier chunk) runs its layers in one call (the exact path's fast form)."""
-    pair = make_pair("inproc", a_kwargs={"max_num_batched_tokens": 16})
+def steps_by_layer(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Fills, for each step A's runner executes from now on, whether it ran layer by layer
+    (the engine handed it a per-layer callback)."""
     per_layer: list[bool] = []
     execute = pair.a.engine.runner.execute
 
@@ -95,6 +91,16 @@ def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
         return execute(batch, on_layer_end)
 
     monkeypatch.setattr(pair.a.engine.runner, "execute", noting)
+    return per_layer
+
+def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
+        make_pair: Callable[..., Pair], reference: Callable,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender hands the engine a per-layer callback for the step that computes a
+    streamed prompt's last token and for no other: any other step (another request's, an
+    earlier chunk) runs its layers in one call (the exact path's fast form)."""
+    pair = make_pair("inproc", a_kwargs={"max_num_batched_tokens": 16})
+    per_layer = steps_by_layer(pair, monkeypatch)
     pair.a.generate(list(range(4100, 4120)), SamplingParams(max_tokens=3))  # no transfer
     assert per_layer and not any(per_layer)
     per_layer.clear()
@@ -115,15 +121,7 @@ def test_without_layer_streaming_the_kv_leaves_after_the_step(
     B continues exactly as A alone would, and nothing leaks."""
     pair = make_pair(transport, a_kwargs={"max_num_batched_tokens": 16})
     pair.sender.stream_layers = False
-    per_layer: list[bool] = []
-    execute = pair.a.engine.runner.execute
-
-    def noting(batch: ScheduledBatch,
-               on_layer_end: Callable[[int], None] | None = None) -> RunnerOutput:
-        per_layer.append(on_layer_end is not None)
-        return execute(batch, on_layer_end)
-
-    monkeypatch.setattr(pair.a.engine.runner, "execute", noting)
+    per_layer = steps_by_layer(pair, monkeypatch)
     prompt = list(range(4200, 4245))  # 3 prefill steps on A
     tokens, send, recv = pair.handoff("s", prompt, GREEDY)
     assert per_layer == [False, False, False]
