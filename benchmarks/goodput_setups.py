@@ -48,9 +48,13 @@ SETUPS = {s.name: s for s in (
                       "--disagg-policy", "always", "--no-pace-decode"),
           "as disagg, but the decode worker steps whenever it has work", True),
     Setup("unstreamed", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                         "--disagg-policy", "always", "--no-kv-stream-layers"),
+                         "--disagg-policy", "always", "--kv-stream-layers", "off"),
           "as disagg, but each prompt's KV leaves after its prefill step, not layer by "
           "layer during it", True),
+    Setup("streamed", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                       "--disagg-policy", "always", "--kv-stream-layers", "on"),
+          "as disagg, but each prompt's KV leaves layer by layer during the step that "
+          "completes it, whatever else the prefill worker has", True),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
           "per request (the decode worker prefills what fits its TPOT budget)", True),

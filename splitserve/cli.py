@@ -114,10 +114,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "steps at most every 0.8 x the TPOT target while the prefill has prompts, "
                    "lending it its core in between. Default: on")
     p.add_argument("--kv-transport", choices=["tcp", "shm"], help="KV transfer transport")
-    p.add_argument("--kv-stream-layers", action=argparse.BooleanOptionalAction, default=None,
-                   help="disagg: a prefill's KV leaves layer by layer during its step, "
-                   "overlapping the transfer with the compute (default: on; off: every "
-                   "layer right after the step, once its first token is sent)")
+    p.add_argument("--kv-stream-layers", choices=["auto", "on", "off"],
+                   help="disagg: a prefill's KV leaves layer by layer during its step (on) "
+                   "or every layer right after it, once its first token is sent (off); "
+                   "auto (default): layer by layer when more prompts are queued or the "
+                   "compute leaves cores free, else after the step")
     p.add_argument("--disagg-policy", choices=["auto", "always", "never"],
                    help="auto: the router decides per request (conditional disaggregation)")
     p.add_argument("--max-queue-len", type=int, help="admission queue bound (then 429)")

@@ -252,12 +252,11 @@ class ServeConfig:
     # core in between (cluster/worker/lending.py). Off: it steps whenever it has work.
     pace_decode: bool = True
     kv_transport: str = "tcp"  # "tcp" | "shm"
-    # A prefill's KV leaves layer by layer while its step runs (overlapping the transfer
-    # with the compute), not all of it right after the step. On by default: off, a long
-    # prompt's decode starts its transfer's time later (goodput (c) on a Zen 4: one ladder
-    # step lower, docs/benchmarks.md); on, the per-layer calls and the transfer's threads
-    # cost the step, which holds the first token, ~5-13 ms of a 512-token prompt there.
-    kv_stream_layers: bool = True
+    # "auto" | "on" | "off": whether a prefill's KV leaves layer by layer while its step
+    # runs, or right after the step (transfer/sender.py LayerStreaming). auto streams when
+    # the transfer would share the cores with compute anyway (more prompts queued, or
+    # cores the compute leaves free), else sends after the step on the cores it freed.
+    kv_stream_layers: str = "auto"
     disagg_policy: str = "auto"  # "auto" (conditional) | "always" | "never"
     # A failed KV transfer: "recompute" (the decode worker prefills locally), "retry"
     # (a new attempt with a new transfer) or "fail" (the client gets an error).
@@ -312,6 +311,8 @@ class ServeConfig:
                              "recompute|retry|fail")
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries} must be >= 0")
+        if self.kv_stream_layers not in ("auto", "on", "off"):
+            raise ValueError(f"kv_stream_layers={self.kv_stream_layers!r} must be auto|on|off")
         if self.disagg_policy not in ("auto", "always", "never"):
             raise ValueError(f"disagg_policy={self.disagg_policy!r} must be auto|always|never")
         if self.pool_sizes[1] < 1 or (self.mode != "agg" and self.pool_sizes[0] < 0):

@@ -37,6 +37,10 @@ class EngineKV(KVConnector):
                  num_computed: int) -> list[RequestOutput]:
         raise NotImplementedError  # LLMEngine's: detokenized outputs of a step
 
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.scheduler.requests)
+
     def request_state(self, request_id: str) -> KVRequestState | None:
         req = self.scheduler.requests.get(request_id)
         if req is None:

@@ -86,6 +86,10 @@ class KVLayout:
 class KVConnectorScheduler(Protocol):
     """Requests and their blocks. Engine thread, between steps."""
 
+    @property
+    def num_live_requests(self) -> int:
+        """Requests not finished (waiting, importing, running); held ones are not live."""
+
     def request_state(self, request_id: str) -> KVRequestState | None:
         """The request while it is live (waiting, importing, running); None once it
         finished (held or not) or if unknown."""

@@ -14,10 +14,14 @@ thread's side of a transfer is export.py.
 """
 from __future__ import annotations
 
+import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+import torch
 
 from splitserve.engine.batch import ScheduledBatch
 from splitserve.engine.kv_connector import KVConnector
@@ -36,6 +40,33 @@ from splitserve.transfer.wakeup import Wakeup
 logger = logging.getLogger(__name__)
 
 
+class LayerStreaming(str, enum.Enum):
+    """When a prefill's KV leaves layer by layer during the step that completes its prompt
+    (each layer copied out as soon as it is computed) rather than after that step.
+
+    Streamed, the transfer's threads (here and the receiver's) run beside the step's
+    compute threads; where those hold every core, each preemption stalls their team and the
+    step (so the first token) takes ~3x the transfer's CPU longer; after the step, the same
+    CPU runs on cores the step left idle, and the decode worker starts the transfer's time
+    later. On 2 cores (docs/benchmarks.md, 2026-12-06) a 512-token prompt's step took 51 ms
+    longer streamed while its KV, sent after, arrived 17 ms after the step, 36 ms sooner than
+    streamed (2048 tokens: +73 ms, 48 ms)."""
+
+    # Streams when the transfer shares the cores with compute either way: the engine has
+    # requests beyond the ones this step completes (else their next step would), or its
+    # compute leaves cores free (`compute_leaves_cores`). After the step otherwise.
+    AUTO = "auto"
+    ON = "on"  # every step that completes a transferred prompt streams
+    OFF = "off"  # always after the step
+
+
+def compute_leaves_cores(device: torch.device) -> bool:
+    """Whether a transfer's threads find a core the engine's compute does not use: the
+    step runs on an accelerator, or this process may run on more cores than torch has
+    threads."""
+    return device.type != "cpu" or len(os.sched_getaffinity(0)) > torch.get_num_threads()
+
+
 class KVSender:
     """Sends prompt KV from `engine` (a prefill engine) to receivers named by plans.
 
@@ -49,13 +80,15 @@ class KVSender:
     """
 
     def __init__(self, engine: KVConnector, *, compression: Compression = Compression.NONE,
-                 stream_layers: bool = True) -> None:
+                 stream_layers: LayerStreaming = LayerStreaming.AUTO,
+                 spare_cores: bool = False) -> None:
         self.engine = engine
         self.compression = compression
-        # True: a prefill step that completes a transfer's prompt runs layer by layer and
-        # each layer leaves as soon as it is computed; False: the step runs in one call and
-        # `poll` copies every layer after it (nothing of the transfer inside the step).
+        # Streamed, a prefill step that completes a transfer's prompt runs layer by layer
+        # and each layer leaves as soon as it is computed; else the step runs in one call
+        # and `poll` copies every layer after it (nothing of the transfer inside the step).
         self.stream_layers = stream_layers
+        self.spare_cores = spare_cores  # AUTO streams every time (compute_leaves_cores)
         self.num_released = 0  # requests whose held KV this sender freed (exactly once each)
         self._exports: dict[str, Export] = {}
         self._faults: dict[str, WireFault] = {}  # armed, by request id (fault injection)
@@ -68,8 +101,8 @@ class KVSender:
     def start(self, request_id: str, plan: TransferPlan, *, namespace: str | None = None,
               compression: Compression | None = None) -> TransferHandle:
         """Streams the prompt KV of a request added with `hold_kv=True` and not yet
-        prefilled: each layer leaves as soon as the prefill step computed it
-        (`stream_layers`), else every layer right after the step.
+        prefilled: each layer leaves as soon as the prefill step computed it, or every
+        layer right after the step (`stream_layers`).
         `namespace` is the one the request was added with (checked against the engine)."""
         req = self.engine.request_state(request_id)
         if req is None or not req.hold_kv:
@@ -168,9 +201,11 @@ class KVSender:
         other step, so it runs its layers in one call."""
         chained = self._chained(batch) if self._chained is not None else None
         streams = (self._streams_completing_in(batch)
-                   if self._exports and self.stream_layers else [])
-        if not streams:
+                   if self._exports and self.stream_layers is not LayerStreaming.OFF else [])
+        if not streams or not self._streaming_pays(streams):
             return chained
+        for export, _ in streams:
+            export.compute_start = time.monotonic()
 
         def on_layer(layer: int) -> None:
             if chained is not None:
@@ -199,10 +234,16 @@ class KVSender:
             if (export is None or export.layers_copied or export.handle.poll().is_terminal
                     or seq.start_pos + len(seq.token_ids) != export.header.end_token):
                 continue
-            export.compute_start = time.monotonic()
             first = export.header.start_token // bs
             streams.append((export, seq.block_table[first:first + export.header.layer_shape[1]]))
         return streams
+
+    def _streaming_pays(self, streams: list[tuple[Export, list[int]]]) -> bool:
+        """AUTO: whether the transfers of `streams` would share the cores with compute
+        even if sent after this step (LayerStreaming)."""
+        if self.stream_layers is LayerStreaming.ON or self.spare_cores:
+            return True
+        return self.engine.num_live_requests > len(streams)
 
     # -- helpers (engine thread) ----------------------------------------------------------
     def _new_export(self, request_id: str, plan: TransferPlan, namespace: str | None,

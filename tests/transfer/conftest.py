@@ -21,7 +21,7 @@ from splitserve.transfer.layer_codec import Compression
 from splitserve.transfer.mac import FrameMac
 from splitserve.transfer.packing import held_blob_frames
 from splitserve.transfer.receiver import KVReceiver
-from splitserve.transfer.sender import KVSender
+from splitserve.transfer.sender import KVSender, LayerStreaming
 from splitserve.transfer.transport import TransferState, get_transport
 
 TRANSPORTS = ["inproc", "shm", "tcp"]
@@ -122,15 +122,17 @@ def run_to_end(llm: LLM, rid: str) -> RequestOutput:
 @pytest.fixture
 def make_pair(make_llm: Callable[..., LLM]) -> Iterator[Callable[..., Pair]]:
     """`make_pair(transport, a_kwargs=..., b_kwargs=...)`; closes senders/receivers after,
-    then checks that no KV block leaked on either side."""
+    then checks that no KV block leaked on either side. A's sender streams every prompt
+    layer by layer (LayerStreaming.ON) unless `stream_layers` says otherwise."""
     pairs: list[Pair] = []
 
     def make(transport: str = "inproc", *, a: LLM | None = None, b: LLM | None = None,
              a_kwargs: dict[str, Any] | None = None,
-             b_kwargs: dict[str, Any] | None = None) -> Pair:
+             b_kwargs: dict[str, Any] | None = None,
+             stream_layers: LayerStreaming = LayerStreaming.ON) -> Pair:
         a = a or make_llm(**(a_kwargs or {}))
         b = b or make_llm(**(b_kwargs or {}))
-        pair = Pair(a, b, KVSender(a.engine),
+        pair = Pair(a, b, KVSender(a.engine, stream_layers=stream_layers),
                     KVReceiver(b.engine, get_transport(transport).listen()))
         pairs.append(pair)
         return pair

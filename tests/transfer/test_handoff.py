@@ -3,14 +3,17 @@ are exactly what A would have generated alone."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.batch import RunnerOutput, ScheduledBatch
 from splitserve.errors import KVImportError
 from splitserve.transfer.layer_codec import Compression
+from splitserve.transfer.sender import LayerStreaming, compute_leaves_cores
 from splitserve.transfer.transport import TransferState
 from tests.transfer.conftest import TRANSPORTS, Pair, run_to_end
 
@@ -116,11 +119,11 @@ def test_only_a_step_that_completes_a_streamed_prompt_runs_layer_by_layer(
 def test_without_layer_streaming_the_kv_leaves_after_the_step(
         make_pair: Callable[..., Pair], reference: Callable, transport: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`stream_layers=False` (serve's --no-kv-stream-layers): the
-    prefill step runs in one call and every layer is copied from the held blocks after it;
-    B continues exactly as A alone would, and nothing leaks."""
-    pair = make_pair(transport, a_kwargs={"max_num_batched_tokens": 16})
-    pair.sender.stream_layers = False
+    """`LayerStreaming.OFF` (serve's --kv-stream-layers off): the prefill step runs in one
+    call and every layer is copied from the held blocks after it; B continues exactly as A
+    alone would, and nothing leaks."""
+    pair = make_pair(transport, a_kwargs={"max_num_batched_tokens": 16},
+                     stream_layers=LayerStreaming.OFF)
     per_layer = steps_by_layer(pair, monkeypatch)
     prompt = list(range(4200, 4245))  # 3 prefill steps on A
     tokens, send, recv = pair.handoff("s", prompt, GREEDY)
@@ -129,6 +132,65 @@ def test_without_layer_streaming_the_kv_leaves_after_the_step(
     assert send.poll().state == recv.poll().state == TransferState.DONE
     assert send.telemetry.layers_during_compute == 0
     assert pair.sender.num_released == 1
+
+
+def test_auto_streaming_sends_after_the_step_when_nothing_else_computes(
+        make_pair: Callable[..., Pair], reference: Callable,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LayerStreaming.AUTO` (the default): A has no other request, so its cores are idle
+    once the step ends: the KV is sent after it, the step runs in one call."""
+    pair = make_pair("tcp", stream_layers=LayerStreaming.AUTO)
+    per_layer = steps_by_layer(pair, monkeypatch)
+    prompt = list(range(4300, 4330))
+    tokens, send, _ = pair.handoff("alone", prompt, GREEDY)
+    assert per_layer == [False]
+    assert tokens == reference(prompt, GREEDY)
+    assert send.telemetry.layers_during_compute == 0
+
+
+def test_auto_streaming_streams_while_other_prompts_wait(
+        make_pair: Callable[..., Pair], reference: Callable,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """AUTO with another request live on A (its prompt waits for the next step): the
+    transfer would share the cores with that step anyway, so it streams during its own."""
+    pair = make_pair("tcp", a_kwargs={"max_num_batched_tokens": 32},
+                     stream_layers=LayerStreaming.AUTO)
+    per_layer = steps_by_layer(pair, monkeypatch)
+    prompt = list(range(4400, 4430))
+    plan = pair.expect("first", prompt, GREEDY)
+    pair.a.engine.add_request("first", prompt, dataclasses.replace(GREEDY, max_tokens=1),
+                              hold_kv=True)
+    pair.a.engine.add_request("queued", list(range(4500, 4530)), SamplingParams(max_tokens=2))
+    send = pair.sender.start("first", plan)
+    recv = pair.receiver_handle(plan)
+    pair.pump(send, recv)
+    assert per_layer[0] and send.telemetry.layers_during_compute == NUM_LAYERS
+    assert pair.decode(recv) == reference(prompt, GREEDY)
+    while pair.a.engine.has_unfinished:  # the queued request, to its end
+        pair.a.engine.step()
+
+
+def test_auto_streaming_streams_when_the_compute_leaves_cores_free(
+        make_pair: Callable[..., Pair], reference: Callable) -> None:
+    pair = make_pair("inproc", stream_layers=LayerStreaming.AUTO)
+    pair.sender.spare_cores = True  # as compute_leaves_cores says on a GPU
+    prompt = list(range(4600, 4630))
+    tokens, send, _ = pair.handoff("gpu", prompt, GREEDY)
+    assert tokens == reference(prompt, GREEDY)
+    assert send.telemetry.layers_during_compute == NUM_LAYERS
+
+
+def test_compute_leaves_cores_counts_threads_against_the_cores() -> None:
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    assert compute_leaves_cores(torch.device("cpu")) == (cores > threads)
+    assert compute_leaves_cores(torch.device("cuda"))
+    torch.set_num_threads(cores)
+    try:
+        assert not compute_leaves_cores(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
 
 def test_two_requests_stream_from_one_step(make_pair: Callable[..., Pair],
                                            reference: Callable) -> None:

@@ -32,9 +32,9 @@ class WorkerSpec:
     # local workers: a Ray actor's process is Ray's).
     nice: int = 0
     kv_transport: str = "tcp"  # how this worker receives KV: "tcp" | "shm"
-    # A prefill's KV leaves layer by layer during its step (KVSender.stream_layers), not
-    # after it (ServeConfig.kv_stream_layers).
-    kv_stream_layers: bool = True
+    # When a prefill's KV leaves layer by layer during its step rather than after it:
+    # "auto" | "on" | "off" (ServeConfig.kv_stream_layers, KVSender.stream_layers).
+    kv_stream_layers: str = "auto"
     # The TCP KV listener binds this host with port 0 and publishes the address it got
     # (WorkerReady.kv_address): the node's own address on Ray, loopback locally.
     kv_host: str = "127.0.0.1"

@@ -37,7 +37,7 @@ from splitserve.engine.output import RequestOutput
 from splitserve.errors import StepFailed
 from splitserve.transfer.faulty import WireFault, WireFaultKind
 from splitserve.transfer.receiver import KVReceiver
-from splitserve.transfer.sender import KVSender
+from splitserve.transfer.sender import KVSender, LayerStreaming, compute_leaves_cores
 from splitserve.transfer.transport import get_transport
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class Worker(RequestHandling):
         self.store = WorkerStore.build(self.engine, spec.store, secret.store_key)
         # Every role sends KV: prefill workers their prefills, decode workers the running
         # sequences they hand over (live migration, Migrate).
-        self.sender = KVSender(self.engine, stream_layers=spec.kv_stream_layers)
+        self.sender = KVSender(self.engine, stream_layers=LayerStreaming(spec.kv_stream_layers),
+                               spare_cores=compute_leaves_cores(self.engine.device))
         self.handoffs = Handoffs(self.engine, self.sender)
         self.receiver = (KVReceiver(self.engine, get_transport(spec.kv_transport).listen(
             f"tcp://{spec.kv_host}:0" if spec.kv_transport == "tcp" else None))
