@@ -80,6 +80,27 @@ def test_every_worker_gets_the_step_time_budget_unless_it_is_off() -> None:
         serve_config(parser.parse_args(["--max-step-ms", "-5"]))
 
 
+def test_kv_stream_layers_flag_reaches_every_worker_spec() -> None:
+    import argparse
+
+    import pytest
+
+    from splitserve.cli import add_serve_args, serve_config
+    from splitserve.cluster.specs import worker_specs
+    from splitserve.config import ServeConfig
+    from splitserve.transfer.sender import LayerStreaming
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert serve_config(parser.parse_args([])).kv_stream_layers == "auto"
+    cfg = serve_config(parser.parse_args(["--mode", "disagg", "--kv-stream-layers", "off"]))
+    specs = worker_specs(cfg, "tcp://127.0.0.1:1")
+    assert specs and {s.kv_stream_layers for s in specs} == {"off"}
+    assert LayerStreaming(specs[0].kv_stream_layers) is LayerStreaming.OFF
+    with pytest.raises(ValueError, match="kv_stream_layers"):
+        ServeConfig(kv_stream_layers="sometimes")
+
+
 def test_serve_config_http_edge_flags_env_and_yaml(tmp_path: object, monkeypatch) -> None:
     import argparse
     from pathlib import Path
