@@ -71,11 +71,11 @@ def run_ttft(reps: int) -> tuple[list[list[object]], dict[str, float]]:
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.transfer.handle import TransferPlan
-    from splitserve.transfer.sender import KVSender
+    from splitserve.transfer.sender import KVSender, LayerStreaming
     engine = LLMEngine(EngineConfig.from_kwargs(None, dtype="bfloat16", num_threads=2,
                                                 max_num_batched_tokens=TTFT_PROMPT,
                                                 kv_cache_memory_bytes=KV_POOL_BYTES))
-    sender = KVSender(engine)
+    sender = KVSender(engine, stream_layers=LayerStreaming.ON)  # A computes nothing else
     child = ServeChild(TRANSFER_SCRIPT, "decode")
     rng = random.Random(7)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

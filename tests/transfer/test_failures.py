@@ -154,7 +154,7 @@ def test_sender_lease_expiry_frees_its_blocks_exactly_once(make_llm: Callable) -
                         key=silent.key)
     a.engine.add_request("r", PROMPT, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
     send = sender.start("r", plan)
-    sender.poll(a.engine.step())  # the prefill: streamed, then held under the lease
+    sender.poll(a.engine.step())  # the prefill, then its KV held under the lease
     assert a.engine.load().kv_blocks_used == 3
     deadline = time.monotonic() + DEADLINE_S
     finished: list = []
