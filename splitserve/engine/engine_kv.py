@@ -123,12 +123,24 @@ class EngineKV(KVConnector):
                        req.num_computed_tokens, end)
 
     def read_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        # [2, len(block_ids), block_size, num_kv_heads, head_dim], in host memory
-        return self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)].cpu()
+        # [2, len(block_ids), block_size, num_kv_heads, head_dim], in host memory.
+        # index_select copies whole blocks: ~3x faster than advanced indexing on one CPU
+        # thread (which copies the cache's last dimension, 128 bytes, at a time).
+        ids = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache[layer].index_select(1, ids).cpu()
 
     def write_kv_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)] = kv.to(
-            self.kv_cache.device, self.kv_cache.dtype)
+        kv = kv.to(self.kv_cache.device, self.kv_cache.dtype)
+        if self.device.type != "cpu":
+            self.kv_cache[layer][:, torch.tensor(block_ids, device=self.device)] = kv
+            return
+        # On CPU, numpy's fancy assignment copies a whole block (6 KiB for the default
+        # model) per index, on this thread: ~3x faster than torch's index_put/index_copy_,
+        # whose CPU kernels copy the last dimension at a time (docs/transfer.md).
+        rows = (2, len(block_ids), -1)
+        cache = self.kv_cache[layer].view(torch.uint8).reshape(
+            2, self.kv_cache.shape[2], -1).numpy()
+        cache[:, block_ids] = kv.contiguous().view(torch.uint8).reshape(rows).numpy()
 
     def commit_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         req = self.scheduler.awaiting_kv.get(request_id)

@@ -176,3 +176,22 @@ def test_only_a_decoding_request_detaches(make_llm) -> None:
     with pytest.raises(KVImportError):
         a.engine.detach("unknown")
     a.engine.abort("w")
+
+
+def test_layer_reads_and_writes_touch_only_the_named_blocks(make_llm) -> None:
+    """write_kv_layer fills exactly the given blocks of one layer, in the order given
+    (scattered ids, as a fragmented pool hands them out); read_kv_layer returns them."""
+    import torch
+    engine = make_llm().engine
+    layout = engine.kv_layout
+    num_blocks = engine.kv_cache.shape[2]
+    ids = [num_blocks - 1, 3, 7, 4, 0]
+    kv = torch.randn(layout.layer_shape(len(ids))).to(layout.dtype)
+    layer = layout.num_layers - 1
+    before = engine.kv_cache.clone()
+    engine.write_kv_layer(layer, ids, kv.double())  # cast to the cache's dtype
+    assert torch.equal(engine.read_kv_layer(layer, ids), kv)
+    assert torch.equal(engine.read_kv_layer(layer, ids[::-1]), kv.flip(1))
+    changed = (engine.kv_cache != before).flatten(3).any(-1)  # [layers, 2, blocks]
+    assert changed.nonzero()[:, 0].unique().tolist() == [layer]
+    assert sorted(changed[layer].any(0).nonzero().flatten().tolist()) == sorted(ids)
