@@ -101,6 +101,27 @@ def test_kv_stream_layers_flag_reaches_every_worker_spec() -> None:
         ServeConfig(kv_stream_layers="sometimes")
 
 
+def test_kv_transport_auto_is_shm_on_one_host_and_tcp_on_ray() -> None:
+    import argparse
+
+    import pytest
+
+    from splitserve.cli import add_serve_args, serve_config
+    from splitserve.cluster.specs import worker_specs
+    from splitserve.config import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    cfg = serve_config(parser.parse_args(["--mode", "disagg"]))
+    assert cfg.kv_transport == "auto" and cfg.kv_transport_used == "shm"
+    assert {s.kv_transport for s in worker_specs(cfg, "tcp://127.0.0.1:1")} == {"shm"}
+    cfg = serve_config(parser.parse_args(["--mode", "disagg", "--kv-transport", "tcp"]))
+    assert {s.kv_transport for s in worker_specs(cfg, "tcp://127.0.0.1:1")} == {"tcp"}
+    assert ServeConfig(runtime="ray").kv_transport_used == "tcp"
+    with pytest.raises(ValueError, match="kv_transport"):
+        ServeConfig(kv_transport="rdma")
+
+
 def test_serve_config_http_edge_flags_env_and_yaml(tmp_path: object, monkeypatch) -> None:
     import argparse
     from pathlib import Path

@@ -38,8 +38,8 @@ class EngineKV(KVConnector):
         raise NotImplementedError  # LLMEngine's: detokenized outputs of a step
 
     @property
-    def num_live_requests(self) -> int:
-        return len(self.scheduler.requests)
+    def num_computing_requests(self) -> int:
+        return len(self.scheduler.requests) - len(self.scheduler.awaiting_kv)
 
     def request_state(self, request_id: str) -> KVRequestState | None:
         req = self.scheduler.requests.get(request_id)

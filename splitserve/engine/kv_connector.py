@@ -87,8 +87,9 @@ class KVConnectorScheduler(Protocol):
     """Requests and their blocks. Engine thread, between steps."""
 
     @property
-    def num_live_requests(self) -> int:
-        """Requests not finished (waiting, importing, running); held ones are not live."""
+    def num_computing_requests(self) -> int:
+        """Requests that will compute here (waiting or running): neither those awaiting KV
+        (they compute nothing until it lands) nor finished ones whose KV is held."""
 
     def request_state(self, request_id: str) -> KVRequestState | None:
         """The request while it is live (waiting, importing, running); None once it

@@ -243,7 +243,7 @@ class KVSender:
         even if sent after this step (LayerStreaming)."""
         if self.stream_layers is LayerStreaming.ON or self.spare_cores:
             return True
-        return self.engine.num_live_requests > len(streams)
+        return self.engine.num_computing_requests > len(streams)
 
     # -- helpers (engine thread) ----------------------------------------------------------
     def _new_export(self, request_id: str, plan: TransferPlan, namespace: str | None,

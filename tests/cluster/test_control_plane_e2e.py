@@ -30,7 +30,10 @@ FLAGS = ("--threads-per-worker", "1", "--max-model-len", "1024",
 
 @pytest.fixture(scope="module")
 def server(start_server: Any) -> Any:
-    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS)
+    # KV over TCP (the default here is shm): its listener is what peers on other hosts
+    # reach, so the hostile-peer test below connects to it.
+    return start_server("--mode", "disagg", "--disagg-policy", "always", "--kv-transport",
+                        "tcp", *FLAGS)
 
 
 def worker_processes(server: Any) -> dict[int, dict[str, str]]:

@@ -137,12 +137,15 @@ def test_without_layer_streaming_the_kv_leaves_after_the_step(
 def test_auto_streaming_sends_after_the_step_when_nothing_else_computes(
         make_pair: Callable[..., Pair], reference: Callable,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`LayerStreaming.AUTO` (the default): A has no other request, so its cores are idle
-    once the step ends: the KV is sent after it, the step runs in one call."""
+    """`LayerStreaming.AUTO` (the default): A has no other request that computes (one
+    awaiting KV computes nothing), so its cores are idle once the step ends: the KV is
+    sent after it, the step runs in one call."""
     pair = make_pair("tcp", stream_layers=LayerStreaming.AUTO)
     per_layer = steps_by_layer(pair, monkeypatch)
     prompt = list(range(4300, 4330))
+    pair.a.engine.add_request("importing", list(range(4700, 4720)), GREEDY, await_kv=True)
     tokens, send, _ = pair.handoff("alone", prompt, GREEDY)
+    pair.a.engine.abort("importing")
     assert per_layer == [False]
     assert tokens == reference(prompt, GREEDY)
     assert send.telemetry.layers_during_compute == 0
