@@ -214,4 +214,37 @@ HANDOFF_NOTES = """\
   prefill alone, so it also carries the prefill's own spread (min-max column) and the CPU
   the transfer takes from A's prefill on the shared 2 cores (copies, hashes, kernel copies:
   ~50 ms of CPU for 47 MB), which separate hosts would not pay.
+  **2026-12-06 (session 54), the Zen 4 of that day, same code path** (`run_ttft` above at
+  512 and 2048 tokens, 6 rounds each, not kept as a table): prefill alone 318 / 1,723 ms;
+  streamed, **A's prefill 367 / 1,798 ms** and B ready 0.6 / 2.3 ms after it (368 / 1,801
+  from arrival); held, A's prefill 316 / 1,725 and B ready **16.6 / 48.0 ms** after it
+  (**332 / 1,773**). Sending after the step won both the first token and B's start at both
+  sizes: the transfer's CPU, small by itself (the 30 layer copies 1.6 ms and their tags
+  1.3 ms at 512 tokens, hot), costs the step ~3-4x as much when its threads preempt the
+  step's two compute threads (whose team then waits at each barrier). A shorter switch
+  interval (0.5 ms) changed little (+41 ms vs +51: not the GIL); in one process without
+  a transfer, the per-layer calls cost 4.5 ms and the layer copies 6 ms of the 51.
+  Hence `--kv-stream-layers auto` (the default since): layer by layer only when the
+  engine has other live requests (their steps would share the cores with the transfer
+  anyway) or the compute leaves cores free. The streamed row of `run_ttft` now asks for
+  `LayerStreaming.ON` (A has nothing else to compute, so auto would send after the step);
+  rerun with it at 512 tokens (4 rounds): streamed prefill 378 ms, B ready 383; held
+  prefill 331, B ready 19.3 ms after it (350).
+- **2026-12-06 10:1x (session 55), the same Zen 4 VM class, block copies.** The engine's
+  `read_kv_layer` now gathers with `index_select` and `write_kv_layer` (CPU) scatters with
+  numpy's fancy assignment, whole 6 KiB blocks at a time, where torch's advanced indexing
+  copied 128-byte rows (one thread, the 30 layers of 1,536 tokens, 36 MB: reads 6.9 -> 2.4
+  ms contiguous, 11.7 -> 5.6 scattered; writes 6.7 -> 2.1 and 9.8 -> 5.2). Expected here:
+  the held row's wait after A's prefill down by ~10 ms at 2,048 tokens (A copies with two
+  threads, B places with one). Measured: **43.7 and 29.3 ms** in two runs minutes apart
+  (46.5 on 11-24, 48.0 in session 54's scratch run): within this table's spread, since
+  here the copies overlap the wire. In
+  `splitserve serve` (disagg, a core a worker), where they do not: the sender's `pack`
+  25.6 -> 15.0 ms and the receiver's `place` 11.0 -> 3.9 ms a 1,536-token transfer, the
+  client's token 1 -> 2 gap **51 -> 33 ms** (alternated A/B, 6 prompts each, TCP); over
+  shm (the local default since, `--kv-transport auto`) 31-35 ms against 40-44 over TCP in
+  an alternated pair of runs. The int8 agreement table reads 73% (22 / 2 / 32 / 32): the
+  same with the copies of before (rerun at e11f870's `engine_kv.py`); 11-24's 99% predates
+  the kernel changes since. Greedy continuations after lossy KV diverge where two tokens
+  are close; int8 on the wire stays opt-in.
 """

@@ -2,6 +2,13 @@
 writes under "What was expected, and why the results differ" in docs/benchmarks.md."""
 
 NOTES = """\
+- **2026-12-06 (session 55).** Two runs minutes apart (the table is the second): TCP
+  106-136% of the raw socket; shm at 16K 44-45% of memcpy in both, under the 50% line
+  (51% on 11-24), at 1K-4K 55-59%. Neither transport's copies changed since 11-24 (the
+  receiver's wake-up did on 11-29; today's engine block copies are not in this table);
+  memcpy itself read
+  10.4-11.8 GB/s at 16K against 12.3, and shm 4.7-5.2 GB/s against 6.2: a slower
+  moment of this VM's memory for the two-copy path.
 - **Authenticated frames (2026-11-24).** Every frame now carries a Poly1305 tag under a
   one-time key from the transfer's key (issue 16; docs/transfer.md) instead of an unkeyed
   xxh3-64 checksum: one core tags or checks ~12 GB/s (xxh3: ~28), so each side spends
