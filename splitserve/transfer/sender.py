@@ -53,7 +53,7 @@ class LayerStreaming(str, enum.Enum):
     streamed (2048 tokens: +73 ms, 48 ms)."""
 
     # Streams when the transfer shares the cores with compute either way: the engine has
-    # requests beyond the ones this step completes (else their next step would), or its
+    # computing requests beyond the ones this step completes (their next step would), or its
     # compute leaves cores free (`compute_leaves_cores`). After the step otherwise.
     AUTO = "auto"
     ON = "on"  # every step that completes a transferred prompt streams
