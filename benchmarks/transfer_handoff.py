@@ -242,8 +242,8 @@ HANDOFF_NOTES = """\
   `splitserve serve` (disagg, a core a worker), where they do not: the sender's `pack`
   25.6 -> 15.0 ms and the receiver's `place` 11.0 -> 3.9 ms a 1,536-token transfer, the
   client's token 1 -> 2 gap **51 -> 33 ms** (alternated A/B, 6 prompts each, TCP); over
-  shm (the local default since, `--kv-transport auto`) 31-35 ms against 40-44 over TCP in
-  an alternated pair of runs. The int8 agreement table reads 73% (22 / 2 / 32 / 32): the
+  shm (`--kv-transport shm`) 31-35 ms against 40-44 over TCP in an
+  alternated pair of runs. The int8 agreement table reads 73% (22 / 2 / 32 / 32): the
   same with the copies of before (rerun at e11f870's `engine_kv.py`); 11-24's 99% predates
   the kernel changes since. Greedy continuations after lossy KV diverge where two tokens
   are close; int8 on the wire stays opt-in.

@@ -113,9 +113,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --slo-tpot-ms and a borrowing prefill worker: the decode worker "
                    "steps at most every 0.8 x the TPOT target while the prefill has prompts, "
                    "lending it its core in between. Default: on")
-    p.add_argument("--kv-transport", choices=["auto", "tcp", "shm"],
-                   help="how KV moves between workers: shared memory (shm) or TCP; auto "
-                   "(default): shm with the local runtime (one host), tcp with Ray")
+    p.add_argument("--kv-transport", choices=["tcp", "shm"],
+                   help="how KV moves between workers: TCP (default) or shared memory (shm; "
+                   "one host, not with --runtime ray)")
     p.add_argument("--kv-stream-layers", choices=["auto", "on", "off"],
                    help="disagg: a prefill's KV leaves layer by layer during its step (on) "
                    "or every layer right after it, once its first token is sent (off); "

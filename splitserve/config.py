@@ -251,9 +251,10 @@ class ServeConfig:
     # steps (PACE_SHARE x the target apart) while the borrower has prompts, lending the
     # core in between (cluster/worker/lending.py). Off: it steps whenever it has work.
     pace_decode: bool = True
-    # "auto" | "tcp" | "shm": how KV moves between workers. auto: shared memory while
-    # every worker runs on this host (the local runtime), TCP on Ray (kv_transport_used).
-    kv_transport: str = "auto"
+    # "tcp" | "shm" (one host): how KV moves between workers. TCP by default: shm started
+    # a 1,536-token prompt's decode ~8 ms sooner on a 2-core Zen 4, yet served goodput
+    # table (c) a ladder step lower in two of three runs (docs/benchmarks.md, 2026-12-06).
+    kv_transport: str = "tcp"
     # "auto" | "on" | "off": whether a prefill's KV leaves layer by layer while its step
     # runs, or right after the step (transfer/sender.py LayerStreaming). auto streams when
     # the transfer would share the cores with compute anyway (more prompts queued, or
@@ -338,20 +339,11 @@ class ServeConfig:
             raise ValueError(f"max_step_ms={self.max_step_ms} must be >= 0 (0: off)")
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"runtime={self.runtime!r} must be 'local' or 'ray'")
-        if self.kv_transport not in ("auto", "tcp", "shm"):
-            raise ValueError(f"kv_transport={self.kv_transport!r} must be auto|tcp|shm")
+        if self.kv_transport not in ("tcp", "shm"):
+            raise ValueError(f"kv_transport={self.kv_transport!r} must be tcp|shm")
         if self.runtime == "ray" and self.kv_transport == "shm":
             raise ValueError("--runtime ray moves KV over TCP (shared memory does not "
                              "cross machines): use --kv-transport tcp")
-
-    @property
-    def kv_transport_used(self) -> str:
-        """The transport of `kv_transport`: auto is shm on the local runtime (one host: a
-        1,536-token prompt's 36 MB reached the decode worker ~8 ms sooner than over
-        loopback TCP on a 2-core Zen 4, docs/benchmarks.md) and tcp on Ray."""
-        if self.kv_transport != "auto":
-            return self.kv_transport
-        return "shm" if self.runtime == "local" else "tcp"
 
     @property
     def decode_pace_s(self) -> float | None:

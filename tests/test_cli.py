@@ -101,7 +101,7 @@ def test_kv_stream_layers_flag_reaches_every_worker_spec() -> None:
         ServeConfig(kv_stream_layers="sometimes")
 
 
-def test_kv_transport_auto_is_shm_on_one_host_and_tcp_on_ray() -> None:
+def test_kv_transport_flag_reaches_every_worker_spec() -> None:
     import argparse
 
     import pytest
@@ -113,11 +113,10 @@ def test_kv_transport_auto_is_shm_on_one_host_and_tcp_on_ray() -> None:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     cfg = serve_config(parser.parse_args(["--mode", "disagg"]))
-    assert cfg.kv_transport == "auto" and cfg.kv_transport_used == "shm"
-    assert {s.kv_transport for s in worker_specs(cfg, "tcp://127.0.0.1:1")} == {"shm"}
-    cfg = serve_config(parser.parse_args(["--mode", "disagg", "--kv-transport", "tcp"]))
     assert {s.kv_transport for s in worker_specs(cfg, "tcp://127.0.0.1:1")} == {"tcp"}
-    assert ServeConfig(runtime="ray").kv_transport_used == "tcp"
+    cfg = serve_config(parser.parse_args(["--mode", "disagg", "--kv-transport", "shm"]))
+    assert {s.kv_transport for s in worker_specs(cfg, "tcp://127.0.0.1:1")} == {"shm"}
+    assert ServeConfig(runtime="ray").kv_transport == "tcp"
     with pytest.raises(ValueError, match="kv_transport"):
         ServeConfig(kv_transport="rdma")
 

@@ -77,7 +77,7 @@ def worker_specs(config: ServeConfig, frontend_address: str) -> list[WorkerSpec]
                                     frontend_address=frontend_address, engine_args=engine_args,
                                     cpu_cores=mine or None, nice=config.worker_nice,
                                     borrowed_cores=helped, leases=leases, pace_s=paced,
-                                    kv_transport=config.kv_transport_used,
+                                    kv_transport=config.kv_transport,
                                     kv_stream_layers=config.kv_stream_layers,
                                     fault_injection=config.enable_fault_injection,
                                     heartbeat_interval_s=heartbeat_s,

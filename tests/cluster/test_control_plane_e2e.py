@@ -30,10 +30,7 @@ FLAGS = ("--threads-per-worker", "1", "--max-model-len", "1024",
 
 @pytest.fixture(scope="module")
 def server(start_server: Any) -> Any:
-    # KV over TCP (the default here is shm): its listener is what peers on other hosts
-    # reach, so the hostile-peer test below connects to it.
-    return start_server("--mode", "disagg", "--disagg-policy", "always", "--kv-transport",
-                        "tcp", *FLAGS)
+    return start_server("--mode", "disagg", "--disagg-policy", "always", *FLAGS)
 
 
 def worker_processes(server: Any) -> dict[int, dict[str, str]]:
