@@ -180,9 +180,9 @@ def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int,
     """The router's fits over the samples, (tokens, seconds) and (sequences, seconds),
     through each curve's envelope (`_envelope`): the curves are meant to be the cost on
     cores of their own. Needs 3 sizes of each. `context`: (context tokens, seconds) of
-    steps over `context_batch` sequences at a long context, against the decode samples'
-    `short_context`: their fastest over the fitted step at that batch, per sequence per
-    token more (never negative)."""
+    steps over `context_batch` sequences at a long context and, measured beside them, at
+    `short_context`: their fastest over the fastest short ones (over the fitted step at
+    that batch when none is short), per sequence per token more (never negative)."""
     prefill_model = PrefillCostModel(_fit_config(prefill))
     decode_model = DecodeStepModel(_fit_config(decode))
     for model, samples in ((prefill_model, prefill), (decode_model, decode)):
@@ -195,10 +195,12 @@ def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int,
                                  f"or max_model_len / max_num_seqs leave too few sizes; "
                                  f"choose --mode agg|disagg")
     decode_curve = Quadratic(*decode_model.coefficients)
+    fastest = dict(_fastest(context))
+    short = fastest.pop(short_context, decode_curve(context_batch))
     per_context = 0.0
-    for tokens, seconds in _fastest(context)[-1:]:
+    for tokens, seconds in sorted(fastest.items())[-1:]:
         if tokens > short_context:
-            per_context = max(0.0, (seconds - decode_curve(context_batch))
+            per_context = max(0.0, (seconds - short)
                               / (context_batch * (tokens - short_context)))
     return CostCurves(Quadratic(*prefill_model.coefficients), decode_curve, per_context)
 
