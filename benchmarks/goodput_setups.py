@@ -55,10 +55,10 @@ SETUPS = {s.name: s for s in (
                        "--disagg-policy", "always", "--kv-stream-layers", "on"),
           "as disagg, but each prompt's KV leaves layer by layer during the step that "
           "completes it, whatever else the prefill worker has", True),
-    Setup("tcp", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
-                  "--disagg-policy", "always", "--kv-transport", "tcp"),
-          "as disagg, but the KV over loopback TCP (the local default until 2026-12-06, "
-          "shared memory since)", True),
+    Setup("shm", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
+                  "--disagg-policy", "always", "--kv-transport", "shm"),
+          "as disagg, but the KV through shared memory (disagg: loopback TCP, the default)",
+          True),
     Setup("auto", ("--mode", "disagg", "--prefill", "1", "--decode", "1",
                    "--disagg-policy", "auto"), "the mixed layout: as disagg; router decides "
           "per request (the decode worker prefills what fits its TPOT budget)", True),
