@@ -34,7 +34,8 @@ from splitserve.errors import LayoutProfileError
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_PROFILE_CACHE"
-CACHE_VERSION = 3  # 2: the decode step's cost per token of context; 3: out of cache
+CACHE_VERSION = 4  # 2: the decode step's cost per token of context; 3: out of cache;
+# 4: that cost against short steps of the same batch measured beside it (a noisy fit gave 0)
 # The child loads the model (~10 s on 2 cores, more the first time the exact kernels
 # are built) and measures for ~5 s per thread count on an idle machine: far inside this.
 PROFILE_TIMEOUT_S = 240.0
