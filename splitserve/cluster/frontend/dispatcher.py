@@ -1,8 +1,8 @@
 """The frontend's side of the cluster: admits requests, asks the router where they go,
 drives them through the workers and merges their outputs into one stream per request.
 
-    generate(req) --admission--> router.route --+--> D: Generate(await_kv)
-                                                 \\-> P: Prefill            (at once)
+    generate(req) --admission--> router.route --+--> P: Prefill            (at once,
+                                                 \\-> D: Generate(await_kv)  P first)
     D: KVPlanReady --relayed as KVPlan--> P --KV--> D;  P: PrefillDone
     (peer fetch, peer_fetch.py: H exports a prefix to D, which prefills the rest)
     P: token 1 --\\
@@ -174,13 +174,22 @@ class Dispatcher(WorkerMessages):
         self._dispatch(flight, decision)
 
     def _dispatch(self, flight: Flight, decision: RouteDecision) -> None:
-        """Sends the attempt to its workers: the decode worker and, for a remote prefill,
-        the prefill worker at the same time (the KV plan follows through us)."""
+        """Sends the attempt to its workers: for a remote prefill, the prefill worker first
+        (its step is the request's way to its first token; the KV plan follows through
+        us), then the decode worker, which only has to be ready when the KV comes."""
         req, aid = flight.request, flight.attempt_id
         decode = self.table.by_id[decision.decode_worker]
         remote = decision.prefill_worker is not None
         peer = decision.peer
         self._hold(flight, decode)
+        if decision.prefill_worker is not None:
+            prefill = self.table.by_id[decision.prefill_worker]
+            flight.prefill_worker = prefill.identity
+            self._hold(flight, prefill)
+            self.link.send(prefill.identity, P.Prefill(
+                aid, req.prompt_token_ids, req.params, req.namespace,
+                kv_timeout_s=self.deadlines.kv_timeout_s, resume_token_ids=flight.resumed,
+                tenant=req.tenant))
         self.link.send(decode.identity, P.Generate(
             aid, req.prompt_token_ids, req.params, req.namespace,
             await_kv=remote or peer is not None, kv_timeout_s=self.deadlines.kv_timeout_s,
@@ -190,14 +199,6 @@ class Dispatcher(WorkerMessages):
             kv_prefix_end=None if peer is None else peer.num_tokens))
         if peer is not None:
             self.peers.start(flight, peer, self.deadlines.kv_timeout_s)
-        if decision.prefill_worker is not None:
-            prefill = self.table.by_id[decision.prefill_worker]
-            flight.prefill_worker = prefill.identity
-            self._hold(flight, prefill)
-            self.link.send(prefill.identity, P.Prefill(
-                aid, req.prompt_token_ids, req.params, req.namespace,
-                kv_timeout_s=self.deadlines.kv_timeout_s, resume_token_ids=flight.resumed,
-                tenant=req.tenant))
 
     def _hold(self, flight: Flight, worker: WorkerInfo) -> None:
         flight.workers.add(worker.identity)
