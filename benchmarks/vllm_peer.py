@@ -194,6 +194,7 @@ class VllmServer:
     # model worker's OpenMP threads to the rest (2 cores: 1 thread). A core list ("0-1")
     # gives the worker every core and has the other two processes share them.
     omp_bind: str = "auto"
+    kv_cache_gib: int = KV_CACHE_GIB  # VLLM_CPU_KVCACHE_SPACE
     served_name: str = SERVED_NAME
     ready_timeout_s: float = READY_TIMEOUT_S
     stop_timeout_s: float = 30.0
@@ -227,7 +228,7 @@ class VllmServer:
         the binding, and an inherited one would override that."""
         env = dict(os.environ if base is None else base)
         env.pop("OMP_NUM_THREADS", None)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                     "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind,
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
