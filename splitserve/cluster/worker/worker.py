@@ -42,7 +42,7 @@ from splitserve.transfer.transport import get_transport
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # longest sleep with nothing to do (deadlines are checked this often)
+IDLE_WAIT_S = 0.1  # longest sleep with nothing to do (deadlines are checked this often)
 BUSY_WAIT_S = 0.002  # sleep while waiting for free blocks to import KV into
 
 
