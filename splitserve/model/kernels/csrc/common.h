@@ -109,9 +109,10 @@ AVX512_TARGET inline __m512 exp16(__m512 x) {
   __m512 p = _mm512_set1_ps(kExpP[0]);
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  // y * 2^n in one instruction where exp8 builds 2^n's bits and multiplies: the same bits,
+  // as both are exact while y * 2^n is a normal float, which the clamp makes it (n in
+  // [-126, 127]; at n = -126, r > 0.33 so y > 1; at n = 127, y < 1).
+  return _mm512_scalef_ps(y, n);
 }
 
 AVX2_TARGET inline __m256 exp8(__m256 x) {
