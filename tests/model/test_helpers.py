@@ -1,8 +1,9 @@
 """Helper threads on a lent core (csrc/helpers.h, cluster/worker/lending.py): a prefill
 step computes the same bits with helpers taking part, kept out by their lease, and with the
 lease raised and lowered under it many times a step; the helpers do take tasks while it
-is down and none while it is up, and a held lease is granted. Helpers start once a process
-and stay: each case runs in a fresh interpreter (this file as a script)."""
+is down and none while it is up, and a held lease is granted; a helper outlives Python's
+mapping of its lease (the interpreter's exit). Helpers start once a process and stay: each
+case runs in a fresh interpreter (this file as a script)."""
 from __future__ import annotations
 
 import json
@@ -67,7 +68,7 @@ def _child(threads: int) -> dict[str, object]:
         want.append(_prefill(models[q], seed=isa))
     cores = sorted(os.sched_getaffinity(0))
     lease = LeaseFile(os.path.join(tempfile.mkdtemp(), "core.lease"))
-    ops.start_helpers([cores[-1]], [lease.address], 19)
+    ops.start_helpers([cores[-1]], [lease.path], 19)
     report: dict[str, object] = {"helpers": ops.helper_count()}
     before, free = ops.helper_tasks(), []
     # A helper is niced 19 on a core a team thread may share (threads=2 on two cores): it
@@ -101,6 +102,31 @@ def _child(threads: int) -> dict[str, object]:
     return report
 
 
+def _child_outliving(threads: int) -> dict[str, object]:
+    """In a fresh process: a helper waits out a held lease while Python unmaps its own view
+    of the lease file (as the interpreter does at exit); the helper must not fault."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_exact_decoder import _model
+
+    from splitserve.cluster.worker.lending import LeaseFile
+    torch.set_num_threads(threads)
+    ops = kernels.load()
+    lease = LeaseFile(os.path.join(tempfile.mkdtemp(), "core.lease"))
+    ops.start_helpers([sorted(os.sched_getaffinity(0))[-1]], [lease.path], 19)
+    granted = ops.lease_hold(lease.address, 1.0)
+    _prefill(_model(True, None), seed=0)  # the helper sees the lease up and waits on it
+    lease.close()
+    time.sleep(0.2)  # it re-reads its lease every 20 ms
+    return {"granted": granted}
+
+
+def test_a_helper_outlives_pythons_mapping_of_its_lease() -> None:
+    out = subprocess.run([sys.executable, __file__, "1", "outliving"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"granted": True}
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_helpers_take_tasks_and_leave_the_bits_alone(threads: int) -> None:
     """threads=1: the master alone with a helper (a prefill worker on one own core);
@@ -119,4 +145,5 @@ def test_helpers_take_tasks_and_leave_the_bits_alone(threads: int) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(int(sys.argv[1]))))
+    child = _child_outliving if sys.argv[2:] == ["outliving"] else _child
+    print(json.dumps(child(int(sys.argv[1]))))

@@ -98,7 +98,7 @@ class Lending:
         files = [LeaseFile(p) for p in leases]
         for lease in files:  # a predecessor killed while it had prompts
             lease.demand = False
-        kernels.load().start_helpers(list(cores), [f.address for f in files], BORROWER_NICE)
+        kernels.load().start_helpers(list(cores), list(leases), BORROWER_NICE)
         logger.info("helper threads on the lent cores %s at nice %d", cores, BORROWER_NICE)
         return Lending(files, None)
 

@@ -1,6 +1,9 @@
 // The helper threads (helpers.h) and the lender's side of a lease.
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <torch/extension.h>
 
 #include <chrono>
@@ -101,12 +104,27 @@ void Helpers::serve(Slot& slot, int nice) {
 
 namespace {
 
-// Helper threads on `cores` at niceness `nice`, leases[i] (a mapped Lease's address, or 0
-// for none) watched by the one on cores[i].
-void start_helpers(const std::vector<int64_t>& cores, const std::vector<int64_t>& leases,
+// The lease file at `path`, mapped here and never unmapped: the helper threads watching it
+// live as long as the process, past the interpreter's exit, when Python's own mapping of the
+// file (lending.py's LeaseFile) is gone.
+exact::Lease* map_lease(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot open the lease file ", path);
+  struct stat st {};
+  const bool sized = fstat(fd, &st) == 0 && st.st_size >= (off_t)sizeof(exact::Lease);
+  void* const at = sized ? mmap(nullptr, sizeof(exact::Lease), PROT_READ | PROT_WRITE,
+                                MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  TORCH_CHECK(at != MAP_FAILED, "cannot map the lease file ", path);
+  return static_cast<exact::Lease*>(at);
+}
+
+// Helper threads on `cores` at niceness `nice`, the lease file leases[i] (or "" for none)
+// watched by the one on cores[i].
+void start_helpers(const std::vector<int64_t>& cores, const std::vector<std::string>& leases,
                    int64_t nice) {
   std::vector<exact::Lease*> mapped;
-  for (int64_t address : leases) mapped.push_back(address ? exact::lease_at(address) : nullptr);
+  for (const auto& path : leases) mapped.push_back(path.empty() ? nullptr : map_lease(path));
   exact::Helpers::get().start(cores, mapped, (int)nice);
 }
 
