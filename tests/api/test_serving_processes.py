@@ -77,6 +77,7 @@ def test_process_titles_niceness_and_clean_shutdown(start_server: Any) -> None:
     assert sorted(name for name, _ in frozen) == ["decode-0", "frontend", "prefill-0"], frozen
     assert all(int(n) > 10_000 for _, n in frozen), frozen
     assert server.stop() == 0, server.log()
+    assert "when stopped" not in server.log(), server.log()  # each worker exited 0
     time.sleep(0.5)
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
              "zombie" not in open(f"/proc/{p}/status").read().lower()]

@@ -52,6 +52,10 @@ class LocalRuntime(Runtime):
                            timeout_s)
             proc.kill()
             proc.wait(5)
+            return
+        if proc.returncode:  # a crash on the way out (a native thread, a destructor)
+            logger.warning("%s exited with code %d when stopped", handle.spec.worker_id,
+                           proc.returncode)
 
     def is_alive(self, handle: WorkerHandle) -> bool:
         proc = self._procs.get(handle.spec.identity)
