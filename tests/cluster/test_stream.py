@@ -9,10 +9,10 @@ from splitserve.engine.batch import SampledToken
 
 
 def out(tok_off: int, toks: list[int], txt_off: int, text: str, finished: bool = False,
-        lp_off: int | None = None, lps: list[float] | None = None) -> WorkerOutput:
+        lp_off: int | None = None, lps: list[float] | None = None) -> Output:
     logprobs = None if lps is None else [SampledToken(0, x) for x in lps]
     return Output("r", tok_off, toks, txt_off, text, tok_off if lp_off is None else lp_off,
-                        logprobs, finished, "stop" if finished else None, None, 5, 0)
+                  logprobs, finished, "stop" if finished else None, None, 5, 0)
 
 
 def test_prefill_first_token_then_decode_worker_repeats_it() -> None:
