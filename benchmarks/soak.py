@@ -40,8 +40,9 @@ FAULTS: list[tuple[str, str, dict[str, Any]]] = [
      {"kind": "forget_cache", "point": "now"}),
     ("fail a prefill with an error", "prefill", {"kind": "error", "point": "prefill"}),
 ]
+# The default dtype (bf16 with the exact, batch-invariant kernels), as users run it.
 FLAGS = ["--mode", "disagg", "--prefill", "1", "--decode", "2", "--disagg-policy", "always",
-         "--dtype", "float32", "--threads-per-worker", "1", "--max-model-len", "2048",
+         "--threads-per-worker", "1", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20), "--enable-fault-injection",
          "--heartbeat-timeout-s", "5", "--kv-timeout-s", "5"]
 TOPICS = ["rivers", "volcanoes", "bridges", "comets", "forests", "deserts", "glaciers",
@@ -66,7 +67,7 @@ def request_pool(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 def references(pool: list[tuple[str, dict[str, Any]]]) -> list[str]:
     from splitserve import LLM, SamplingParams
-    llm = LLM(dtype="float32", num_threads=1, max_model_len=2048)
+    llm = LLM(num_threads=1, max_model_len=2048)  # the workers' dtype: the default
     return [llm.generate(p, SamplingParams(ignore_eos=True, **s))[0].text for p, s in pool]
 
 
@@ -177,8 +178,9 @@ def main() -> int:
     body = "\n".join([
         f"{args.duration_s:.0f} s of Poisson load at {args.rate} req/s (streaming, 24 distinct "
         "prompts, half sharing a system prefix, greedy and seeded sampling, 16-64 tokens) "
-        "on 1 prefill + 2 decode workers (fp32, one thread each, `--disagg-policy always`, "
-        f"default `--kv-failure-policy recompute`), one fault every {args.fault_every_s:.0f} s, "
+        "on 1 prefill + 2 decode workers (bf16, the default, one thread each, "
+        "`--disagg-policy always`, default `--kv-failure-policy recompute`), one fault "
+        f"every {args.fault_every_s:.0f} s, "
         "cycling through the kinds below. Outputs are checked against the offline engine.", "",
         markdown_table(["", "count"], rows), "",
         "Faults injected: " + "; ".join(f"{k}: {v}" for k, v in result["faults"].items()) + ".",
