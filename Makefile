@@ -34,7 +34,7 @@ chat: setup
 # The invariance tests run a second time with the exact kernels capped at AVX2 (and oneDNN
 # too): every CPU level this machine can run must give the same guarantees.
 test: setup-test
-	$(BIN)/python -m mypy splitserve
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q $(ARGS)
 	SPLITSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q \
 		tests/engine/test_batch_invariance.py tests/model/test_exact_kernels.py

@@ -57,7 +57,7 @@ SAMPLERS: dict[str, Callable[[torch.Tensor, SampleSpec], int]] = {
 @contextmanager
 def using(sample_one: Callable[[torch.Tensor, SampleSpec], int]) -> Iterator[None]:
     saved = sampler.sample_one
-    sampler.sample_one = sample_one  # sample() looks it up at each call
+    sampler.sample_one = sample_one  # type: ignore[assignment]  # sample() looks it up
     try:
         yield
     finally:

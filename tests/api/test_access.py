@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import openai
@@ -40,9 +40,9 @@ def test_missing_or_wrong_key_is_401_in_openai_format(keyed: str, fake: FakeBack
     for key in ("key-of-c", "key-of-", "tenant-a"):
         with pytest.raises(openai.AuthenticationError) as info:
             _openai(keyed, key).completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+        body = cast(dict[str, Any], info.value.body)
         assert info.value.status_code == 401
-        assert info.value.body["type"] == "AuthenticationError"
-        assert info.value.body["code"] == 401
+        assert body["type"] == "AuthenticationError" and body["code"] == 401
     for headers in ({}, {"Authorization": "key-of-a"}, {"Authorization": "Basic key-of-a"},
                     {"Authorization": "Bearer"}):
         raw = httpx2.post(f"{keyed}/v1/completions", headers=headers, json=PROMPT)
@@ -53,7 +53,7 @@ def test_missing_or_wrong_key_is_401_in_openai_format(keyed: str, fake: FakeBack
 
 def test_every_v1_route_needs_a_key_and_probes_do_not(keyed: str, fake: FakeBackend) -> None:
     app = build_app(fake, HttpConfig(api_key="k"))
-    v1 = [(r.path, sorted(r.methods)[0]) for r in app.routes
+    v1 = [(r.path, sorted(r.methods or ())[0]) for r in app.routes
           if isinstance(r, APIRoute) and r.path.startswith("/v1")]
     assert len(v1) == 3
     for path, method in v1:
@@ -117,7 +117,7 @@ def test_key_file_errors_name_the_problem(tmp_path: Path) -> None:
 
 def _admin_routes(fake: FakeBackend) -> list[tuple[str, str]]:
     app = build_app(fake)
-    return [(r.path, sorted(r.methods)[0]) for r in app.routes
+    return [(r.path, sorted(r.methods or ())[0]) for r in app.routes
             if isinstance(r, APIRoute) and r.path.startswith("/admin")]
 
 

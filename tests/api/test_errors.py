@@ -6,16 +6,17 @@ import json
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from fake_backend import FakeBackend
 from splitserve.errors import AdmissionRejected, InvalidRequestError, RequestTimeout, WorkerFailed
 
-CHAT = [{"role": "user", "content": "Hi!"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi!"}]
 
 
 def _error(response: httpx2.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -96,7 +97,8 @@ def test_bad_completion_values_are_400(client: openai.OpenAI, fake: FakeBackend,
     args = {"model": "smollm2", "prompt": "Hi", **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**args)
-    assert info.value.body == {"message": info.value.body["message"],
+    body = cast(dict[str, Any], info.value.body)
+    assert body == {"message": body["message"],
                                "type": "BadRequestError", "param": param, "code": 400}
     assert info.value.request_id
     assert not fake.requests
@@ -160,7 +162,7 @@ def test_backend_rejecting_the_prompt_is_400(client: openai.OpenAI, fake: FakeBa
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
     assert info.value.param == "prompt"
-    assert info.value.body["message"] == "prompt is too long for worker 3"
+    assert cast(dict[str, Any], info.value.body)["message"] == "prompt is too long for worker 3"
     with pytest.raises(openai.BadRequestError) as info:  # chat names the messages
         client.chat.completions.create(model="smollm2", messages=CHAT)
     assert info.value.param == "messages"

@@ -5,13 +5,14 @@ import logging
 
 import httpx2
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from fake_backend import FakeBackend
 from splitserve.api.request_id import (RequestIdFilter, is_valid_request_id, log_config,
                                        label_var, new_request_id)
 
-CHAT = [{"role": "user", "content": "Hi!"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi!"}]
 
 
 def test_client_id_is_a_label_the_server_makes_the_id(client: openai.OpenAI,

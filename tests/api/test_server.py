@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 
 import httpx2
 import openai
+from openai.types.chat import ChatCompletionContentPartTextParam, ChatCompletionMessageParam
 
 from fake_backend import CREATED, MAX_MODEL_LEN, MODEL_NAMES, SCRIPT, FakeBackend, logprob_of
 from splitserve.cluster.router.config import DisaggPolicy
 
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi!"}]
 
 
-def _template_ids(fake: FakeBackend, messages: list[dict[str, str]]) -> list[int]:
+def _template_ids(fake: FakeBackend, messages: Sequence[Mapping[str, object]]) -> list[int]:
     tok = fake.model_info.tokenizer
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
                       add_special_tokens=False)
@@ -56,11 +59,13 @@ def test_completion(client: openai.OpenAI, fake: FakeBackend) -> None:
     assert out.id.startswith("cmpl-")
     choice = out.choices[0]
     assert (choice.index, choice.text, choice.finish_reason) == (0, SCRIPT, "stop")
-    assert choice.logprobs is None and choice.model_extra["stop_reason"] is None
+    assert choice.logprobs is None and choice.model_extra is not None
+    assert choice.model_extra["stop_reason"] is None
     n_prompt, n_out = len(fake.last.prompt_token_ids), len(fake.script_ids)
     assert out.usage is not None
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
         n_prompt, n_out, n_prompt + n_out)
+    assert out.usage.prompt_tokens_details is not None
     assert out.usage.prompt_tokens_details.cached_tokens == 1
     assert fake.outcomes[out.id] == "finished"
 
@@ -83,8 +88,10 @@ def test_completion_max_tokens_defaults_to_16_and_null_means_no_limit(
 
 def test_completion_prompt_shapes(client: openai.OpenAI, fake: FakeBackend) -> None:
     tok = fake.model_info.tokenizer
-    for prompt, ids in [("Hello there", tok.encode("Hello there")), ([5, 6, 7], [5, 6, 7]),
-                        (["Hello there"], tok.encode("Hello there")), ([[8, 9]], [8, 9])]:
+    shapes: list[tuple[str | list[str] | list[int] | list[list[int]], list[int]]] = [
+        ("Hello there", tok.encode("Hello there")), ([5, 6, 7], [5, 6, 7]),
+        (["Hello there"], tok.encode("Hello there")), ([[8, 9]], [8, 9])]
+    for prompt, ids in shapes:
         client.completions.create(model="smollm2", prompt=prompt, max_tokens=2)
         assert fake.last.prompt_token_ids == ids
 
@@ -141,9 +148,14 @@ def test_completion_logprobs(client: openai.OpenAI, fake: FakeBackend) -> None:
 def test_completion_logprobs_stream_offsets_continue(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(model="smollm2", prompt="Hello", max_tokens=3,
                                             logprobs=0, stream=True))
-    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
-    assert offsets == [0, 4, 10]
-    assert [len(c.choices[0].logprobs.top_logprobs[0]) for c in chunks] == [1, 1, 1]
+    offsets: list[int] = []
+    tops = []
+    for chunk in chunks:
+        lp = chunk.choices[0].logprobs
+        assert lp is not None and lp.text_offset is not None and lp.top_logprobs is not None
+        offsets += lp.text_offset
+        tops.append(len(lp.top_logprobs[0]))
+    assert offsets == [0, 4, 10] and tops == [1, 1, 1]
 
 
 # ---- chat ---------------------------------------------------------------------------------
@@ -159,7 +171,8 @@ def test_chat(client: openai.OpenAI, fake: FakeBackend) -> None:
 
 
 def test_chat_content_parts_are_joined_text(client: openai.OpenAI, fake: FakeBackend) -> None:
-    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    parts: list[ChatCompletionContentPartTextParam] = [{"type": "text", "text": "Hi"},
+                                                       {"type": "text", "text": "there"}]
     client.chat.completions.create(model="smollm2",
                                    messages=[{"role": "user", "content": parts}])
     assert fake.last.prompt_token_ids == _template_ids(
@@ -167,7 +180,8 @@ def test_chat_content_parts_are_joined_text(client: openai.OpenAI, fake: FakeBac
 
 
 def test_chat_tool_and_assistant_roles(client: openai.OpenAI, fake: FakeBackend) -> None:
-    messages = CHAT + [{"role": "assistant", "content": "Hello."},
+    messages: list[ChatCompletionMessageParam] = CHAT + [
+                       {"role": "assistant", "content": "Hello."},
                        {"role": "tool", "content": "42", "tool_call_id": "c1"},
                        {"role": "user", "content": "And?"}]
     client.chat.completions.create(model="smollm2", messages=messages)
@@ -199,6 +213,7 @@ def test_chat_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI,
 def test_chat_logprobs(client: openai.OpenAI, fake: FakeBackend) -> None:
     out = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2,
                                          logprobs=True, top_logprobs=3)
+    assert out.choices[0].logprobs is not None
     content = out.choices[0].logprobs.content
     assert content is not None and [c.token for c in content] == [" The", " quick"]
     assert [c.logprob for c in content] == [logprob_of(0), logprob_of(1)]

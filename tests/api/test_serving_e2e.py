@@ -16,9 +16,10 @@ import re
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, cast
 
 import openai
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 import pytest
 
 from splitserve import LLM, SamplingParams
@@ -91,14 +92,12 @@ def model_name(server: Any) -> str:
 def chat(server: Any, messages: list[dict[str, str]], stream: bool = False, **kw: Any) -> str:
     c = client(server)
     kw = {"temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+    typed = cast(list[ChatCompletionMessageParam], messages)
     if not stream:
-        r = c.chat.completions.create(model=model_name(server),
-                                      messages=messages,  # type: ignore[arg-type]
-                                      **kw)
+        r = c.chat.completions.create(model=model_name(server), messages=typed, **kw)
         return r.choices[0].message.content or ""
-    chunks = c.chat.completions.create(model=model_name(server),
-                                       messages=messages,  # type: ignore[arg-type]
-                                       stream=True, **kw)
+    chunks = cast(openai.Stream[ChatCompletionChunk], c.chat.completions.create(
+        model=model_name(server), messages=typed, stream=True, **kw))
     return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
 
 
@@ -138,7 +137,7 @@ def LLM_TOKENS(text: str) -> list[int]:  # noqa: N802
 
 
 def test_seeded_sampling_is_identical_across_modes(disagg: Any, agg: Any) -> None:
-    kw = dict(temperature=0.8, top_p=0.95, seed=1234)
+    kw: dict[str, Any] = dict(temperature=0.8, top_p=0.95, seed=1234)
     a = chat(disagg, CHATS["short"], **kw)
     b = chat(agg, CHATS["short"], **kw)
     assert a == b and a

@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 
 import httpx2
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from fake_backend import FakeBackend, wait_until
 from splitserve.api.errors import ClientDisconnected
 from splitserve.api.streaming import until_disconnect
 
-CHAT = [{"role": "user", "content": "Hi!"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi!"}]
 
 
 def _aborted(fake: FakeBackend, request_id: str) -> bool:

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -42,7 +42,8 @@ def test_missing_or_wrong_key_is_401(keyed: Any) -> None:
     for key in ("key-of-c", "tenant-a", "key-of-a-"):
         with pytest.raises(openai.AuthenticationError) as info:
             client(keyed, key).completions.create(model="m", prompt="Hi", max_tokens=1)
-        assert info.value.status_code == 401 and info.value.body["code"] == 401
+        body = cast(dict[str, Any], info.value.body)
+        assert info.value.status_code == 401 and body["code"] == 401
     request = urllib.request.Request(keyed.url + "/v1/models")  # no Authorization at all
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=10)

@@ -40,8 +40,8 @@ class FakeOpenAI:
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            is_factory = f.default_factory is not dataclasses.MISSING
-            setattr(self, f.name, f.default_factory() if is_factory else f.default)
+            factory = f.default_factory  # MISSING (not callable) where a plain default is
+            setattr(self, f.name, factory() if callable(factory) else f.default)
 
     def app(self) -> FastAPI:
         app = FastAPI()

@@ -38,6 +38,7 @@ def test_per_request_latencies() -> None:
 def test_tpot_excludes_the_first_token() -> None:
     r = rec(0, 0.0, [10.0, 10.1, 10.2])  # a 10 s prefill, then 100 ms per token
     assert r.tpot_s == pytest.approx(0.1)
+    assert r.e2e_s is not None
     assert r.e2e_s / 3 == pytest.approx(3.4)  # the naive E2E / tokens would be 34x off
 
 

@@ -7,6 +7,7 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import zmq
@@ -199,7 +200,7 @@ class _Pipe:
 
 def test_the_local_runtime_hands_the_secret_over_stdin_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[dict[str, object]] = []
+    started: list[dict[str, Any]] = []
 
     class FakePopen:
         def __init__(self, args: list[str], env: dict[str, str], stdin: int) -> None:
@@ -211,7 +212,7 @@ def test_the_local_runtime_hands_the_secret_over_stdin_only(
     spec = WorkerSpec(P.Role.DECODE, 0, 1, "tcp://127.0.0.1:5555")
     LocalRuntime().start_worker(spec, secret)
     (call,) = started
-    visible = " ".join(call["args"]) + " ".join(call["env"].values())  # type: ignore[attr-defined]
+    visible = " ".join(call["args"]) + " ".join(call["env"].values())
     for key in (secret.client_secret, secret.client_public, secret.server_public):
         assert key.decode() not in visible
     pipe = call["pipe"]

@@ -33,11 +33,11 @@ class ScriptedWorker:
                  epoch: int = 1, max_num_seqs: int = 8) -> None:
         self.max_num_seqs = max_num_seqs
         self.worker_id = f"{role}-{index}"
-        identity = f"{self.worker_id}:{epoch}".encode()
+        self.identity = f"{self.worker_id}:{epoch}".encode()
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
         self.sock.setsockopt(zmq.LINGER, 0)
-        d.link.enroll(identity).connect(self.sock)
+        d.link.enroll(self.identity).connect(self.sock)
         self.sock.connect(d.address)
         self.role = P.Role(role)
 
@@ -251,7 +251,11 @@ def test_a_requests_own_deadline_wakes_the_reaper_and_an_idle_one_sleeps() -> No
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         reaps: list[float] = []
         reap = d._reap
-        d._reap = lambda now: (reaps.append(now), reap(now))[1]  # type: ignore[method-assign]
+
+        def counted(now: float) -> None:
+            reaps.append(now)
+            reap(now)
+        d._reap = counted  # type: ignore[method-assign]
         (w,) = await workers(d, ctx, "both")
         await asyncio.sleep(0.5)
         assert len(reaps) <= 1  # idle: asleep until the next worker's heartbeat deadline

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import zmq
@@ -52,7 +53,7 @@ def test_a_dead_prefill_worker_is_replaced_by_a_local_prefill() -> None:
         task = asyncio.create_task(collect(d.generate(request())))
         assert (await dec.expect(P.Generate)).await_kv
         await p.expect(P.Prefill)
-        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.mark_dead(p.identity, "exited")
         assert (await dec.expect(P.Abort)).request_id == "r1"
         retry = await dec.expect(P.Generate)
         assert retry.request_id == "r1#1" and not retry.await_kv and not retry.resume_token_ids
@@ -105,7 +106,8 @@ def test_a_removed_incarnation_is_fenced_and_told_to_exit() -> None:
         await old.send(P.KVEventBatch(1, []))
         await old.expect(P.Shutdown)
         assert b"splitserve_fenced_messages_total 1.0" in d.metrics_text()
-        assert [w["id"] for w in d.health()["workers"]] == ["both-0"]
+        listed = cast(list[dict[str, object]], d.health()["workers"])
+        assert [w["id"] for w in listed] == ["both-0"]
     run(scenario)
 
 
@@ -153,7 +155,7 @@ def test_a_prefill_worker_dying_after_the_handoff_concerns_nobody() -> None:
         await p.send(output("r1", 0, [5], 0, "x"))
         await dec.send(output("r1", 1, [6], 1, "y"))  # D committed the KV and goes on
         await until(lambda: d.flights["r1"].state is FlightState.DECODE)
-        d.mark_dead(p.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.mark_dead(p.identity, "exited")
         await dec.send(output("r1", 2, [7], 2, "z", finished=True))
         assert [x.token_ids for x in await task] == [[5], [6], [7]]
         assert b"splitserve_retries_total" not in d.metrics_text().replace(
@@ -190,7 +192,7 @@ def test_a_retry_with_no_decode_worker_up_waits_for_a_restarted_one() -> None:
         await p.expect(P.Prefill)
         await p.send(output("r1", 0, [5], 0, "x"))
         await until(lambda: d.flights["r1"].state is FlightState.HANDOFF)
-        d.mark_dead(dec.sock.getsockopt(zmq.ROUTING_ID), "exited")  # the only decode worker
+        d.mark_dead(dec.identity, "exited")  # the only decode worker
         assert (await p.expect(P.Abort)).request_id == "r1"
         assert d.flights.stranded == [d.flights["r1"]]
         restarted = ScriptedWorker(ctx, d, "decode", epoch=2)
@@ -210,7 +212,7 @@ def test_a_request_arriving_with_no_decode_worker_up(restarts: bool) -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         from splitserve.errors import AdmissionRejected
         (w,) = await workers(d, ctx, "both")
-        d.mark_dead(w.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.mark_dead(w.identity, "exited")
         task = asyncio.create_task(collect(d.generate(request())))
         if not restarts:
             with pytest.raises(AdmissionRejected) as err:
@@ -230,7 +232,7 @@ def test_a_request_arriving_with_no_decode_worker_up(restarts: bool) -> None:
 def test_a_request_waiting_for_a_decode_worker_times_out_in_the_queue() -> None:
     async def scenario(d: Dispatcher, ctx: zmq.asyncio.Context) -> None:
         (w,) = await workers(d, ctx, "both")
-        d.mark_dead(w.sock.getsockopt(zmq.ROUTING_ID), "exited")
+        d.mark_dead(w.identity, "exited")
         with pytest.raises(RequestTimeout, match="none was up") as err:
             await collect(d.generate(request()))
         assert err.value.stage == "queue"

@@ -226,7 +226,7 @@ def test_the_worker_socket_survives_any_bytes_from_the_frontend() -> None:
     link = WorkerLink(Metrics())
     identity = b"decode-0:1"
     worker = FrontendSocket(link.address, identity, link.enroll(identity), send_timeout_s=5)
-    router = zmq.Socket.shadow(link.sock.underlying)  # a blocking view of the ROUTER
+    router: zmq.Socket[bytes] = zmq.Socket.shadow(link.sock.underlying)  # a blocking view
     try:
         worker.send(P.LoadReport(0, 0, 0, 0, 0, 1))  # connects (nobody reads it)
         send_when_connected(router, identity, P.encode(P.ResyncKV()))

@@ -261,6 +261,7 @@ def test_auto_resolves_to_the_chosen_pools() -> None:
     assert strict.choice.label == "mixed 1P+1D" and strict.config.disagg_policy == "auto"
     # The router's priors are the chosen width's measured curves (a decode worker seldom
     # prefills alone: its local prefills are judged by them), not the constant defaults.
+    assert strict.curves is not None
     costs = router_costs(strict.curves)
     assert PrefillCostModel(costs).predict(1536) == pytest.approx(PREFILL_1(1536))
     assert DecodeStepModel(costs).predict(8) == pytest.approx(strict.curves.step_s(8))

@@ -183,7 +183,9 @@ def test_decode_passes_alternate_so_a_slow_phase_lands_on_other_batches() -> Non
     the batches descending, so the phase would have to return at its end to slow batch 1
     again; each batch's fastest step counts."""
     args = {k: v for k, v in ARGS.items() if k != "num_threads"}
-    engine = LLMEngine(EngineConfig.from_kwargs(args.pop("model", None), **args,
+    model = args.pop("model", None)
+    assert model is None or isinstance(model, str)
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **args,
                                                 num_threads=1))
     samples = measure_decode(engine, random.Random(0), [1, 2, 4], SHORT)
     assert [n for n, _ in samples] == [1, 1, 2, 2, 4, 4, 4, 4, 2, 2, 1, 1]

@@ -64,7 +64,7 @@ async def stuck_worker(d: Dispatcher, ctx: zmq.asyncio.Context, role: str = "bot
     w = SlowReader(ctx, d, role, index=index)
     await w.register()
     await until(lambda: w.worker_id in d.table.by_id)
-    router = zmq.Socket.shadow(d.link.sock.underlying)
+    router: zmq.Socket[bytes] = zmq.Socket.shadow(d.link.sock.underlying)
     identity = d.table.by_id[w.worker_id].identity
     refused = 0
     for _ in range(500):  # loopback TCP buffers take a few MB

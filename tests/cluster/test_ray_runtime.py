@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import pytest
 import ray  # the `ray` extra; `make test` installs it
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from ray.cluster_utils import Cluster
 
 from tests.conftest import ServerProcess
@@ -38,7 +39,7 @@ FLAGS = ["--runtime", "ray", "--ray-role-resources", "--prefill", "1", "--decode
          "--disagg-policy", "always"]
 
 
-def _messages(question: str) -> list[dict[str, str]]:
+def _messages(question: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 

@@ -19,7 +19,8 @@ def _complete_all(server: Any) -> list[str]:
     texts: list[str] = [""] * len(QUESTIONS)
 
     def one(i: int) -> None:
-        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": 5 + i}
+        sampling: dict[str, Any] = ({"temperature": 0.0} if i % 2 else
+                                    {"temperature": 0.7, "seed": 5 + i})
         texts[i] = str(client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=32,
             **sampling).choices[0].message.content)

@@ -41,7 +41,7 @@ def _due_reports(reports: Reports, engine: _Engine, clock: list[float],
     end = clock[0] + seconds
     while clock[0] < end:
         if reports.is_due():
-            report = reports.load_report(engine, None, [])
+            report = reports.load_report(engine, None, [])  # type: ignore[arg-type]
             if report is not None:
                 sent.append(report)
         clock[0] += 0.01
@@ -61,10 +61,10 @@ def test_a_change_or_a_step_is_reported_at_the_next_interval(clock: list[float])
     engine.running = 3
     sent = _due_reports(reports, engine, clock, 0.15)
     assert [r.num_running for r in sent] == [3]
-    reports.step_done(engine)  # no step recorded: last_step is None
+    reports.step_done(engine)  # type: ignore[arg-type]  # no step recorded yet
     engine.last_step = _Step()
     for _ in range(4):
-        reports.step_done(engine)
+        reports.step_done(engine)  # type: ignore[arg-type]
     sent = _due_reports(reports, engine, clock, 0.15)
     assert len(sent) == 1 and len(sent[0].steps) == 4  # busy: every interval, steps in it
     sent = _due_reports(reports, engine, clock, 0.5)

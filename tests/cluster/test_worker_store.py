@@ -23,7 +23,7 @@ def test_a_locked_disk_directory_falls_back_to_a_sibling(tmp_path: Path) -> None
     assert second.disk.directory.parent == tmp_path / "decode-0+2"
     second.close()
     first.close()
-    third = _build(config, engine, key)  # free again: the worker's own directory
+    third = _build(config, engine, key)  # type: ignore[arg-type]  # free again: its own
     assert third is not None and third.disk is not None
     assert third.disk.directory.parent == tmp_path / "decode-0"
     third.close()

@@ -62,7 +62,7 @@ class LogitsLedger:
         def tagged(*args: Any) -> Any:
             self._model = model
             return sampled_logits(*args)
-        llm.engine.model.sampled_logits = tagged  # type: ignore[method-assign]
+        llm.engine.model.sampled_logits = tagged  # type: ignore[method-assign,assignment]
 
     def wrap(self, sample: Callable[..., Any]) -> Callable[..., Any]:
         def checked(logits: torch.Tensor, specs: list[SampleSpec],

@@ -29,7 +29,9 @@ def copy_kv(src_engine: KVConnector, dst_engine: KVConnector, rid: str,
         assert kv.shape == layout.layer_shape(len(dst.block_ids))
         dst_engine.write_kv_layer(layer, dst.block_ids, kv)
     src_engine.release_kv(rid)
-    return dst_engine.commit_kv(rid, first_token_id)
+    out = dst_engine.commit_kv(rid, first_token_id)
+    assert out is not None, "the whole prompt's KV came: it runs from its first token"
+    return out
 
 
 def handoff(a, b, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:

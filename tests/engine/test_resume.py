@@ -47,4 +47,4 @@ def test_resumed_request_equals_uninterrupted(make_llm, params, num_resumed: int
 def test_resume_past_max_tokens_is_refused(make_llm) -> None:
     engine = make_llm().engine
     with pytest.raises(InvalidRequestError, match="resumed tokens"):
-        engine.add_request("r", PROMPT, GREEDY, resume_token_ids=[5] * GREEDY.max_tokens)
+        engine.add_request("r", PROMPT, GREEDY, resume_token_ids=[5] * (GREEDY.max_tokens or 0))

@@ -140,7 +140,7 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     expected = torch.log_softmax(logits[0], -1)
     assert tok.token_id == 2
     assert tok.logprob == pytest.approx(float(expected[2]))
-    assert [t for t, _ in tok.top_logprobs] == [2, 1]
+    assert tok.top_logprobs is not None and [t for t, _ in tok.top_logprobs] == [2, 1]
 
 
 def test_position_seed_fits_int64_and_differs() -> None:

@@ -4,12 +4,15 @@ for a whole stack and for the per-layer calls layer-wise KV streaming makes, on 
 paths, with bf16 and with int8 weights; its KV writes are the same bits too."""
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
 from splitserve.model import kernels
 from splitserve.model.attention import AttentionMetadata, ExactBatch, forward_context
-from splitserve.model.llama import LlamaForCausalLM
+from splitserve.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from splitserve.model.packed import PackedLinear
 from splitserve.model.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
@@ -69,7 +72,7 @@ def _eager(model: LlamaForCausalLM, meta: AttentionMetadata, ids: torch.Tensor,
     x = m.embed_tokens(ids)
     cos, sin = m.rotary.table(positions, x.dtype)
     residual = None
-    for i, layer in enumerate(m.layers):
+    for i, layer in enumerate(cast(list[LlamaDecoderLayer], list(m.layers))):
         a = layer.self_attn
         h, residual = kernels.rms_norm(x, layer.input_layernorm.weight, spec.rms_norm_eps,
                                        residual)
@@ -90,7 +93,8 @@ def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool,
                                                     quantization: str | None) -> None:
     model = _model(attention_bias, quantization)
     assert model.model.exact_decoder is not None
-    assert (model.model.layers[0].mlp.down_proj.packed.dtype == torch.int8) == bool(quantization)
+    down = cast(LlamaDecoderLayer, model.model.layers[0]).mlp.down_proj
+    assert (cast(PackedLinear, down).packed.dtype == torch.int8) == bool(quantization)
     ops = kernels.load()
     before = ops.get_isa()
     try:
@@ -100,7 +104,8 @@ def test_the_one_call_stack_is_the_kernels_op_by_op(attention_bias: bool,
             kv0 = meta.kv_cache.clone()
             want = _eager(model, meta, ids, positions)
             kv_want = meta.kv_cache.clone()
-            for hook in (None, []):  # one call; one call per layer with a hook between
+            hooks: tuple[list[int] | None, ...] = (None, [])
+            for hook in hooks:  # one call; one call per layer with a hook between
                 meta.kv_cache.copy_(kv0)
                 meta.on_layer_end = None if hook is None else hook.append
                 with forward_context(meta), torch.inference_mode():
@@ -133,7 +138,8 @@ def test_a_one_call_step_gives_the_logits_of_the_ops_around_the_stack(
                     hidden = _eager(model, meta, ids, positions)
                     want = model.compute_logits(hidden if rows is None else hidden[rows])
                 kv_want = meta.kv_cache.clone()
-                for hook in (None, []):
+                hooks: tuple[list[int] | None, ...] = (None, [])
+                for hook in hooks:
                     meta.kv_cache.copy_(kv0)
                     meta.on_layer_end = None if hook is None else hook.append
                     with torch.inference_mode():
@@ -174,7 +180,8 @@ def test_a_one_call_step_refuses_ids_positions_rows_and_tables_out_of_range() ->
             with pytest.raises(RuntimeError, match=message):
                 model.sampled_logits(ids, positions, None, meta)
     with torch.inference_mode(), pytest.raises(TypeError):  # not a list of ints
-        model.sampled_logits([float(t) for t in ids], positions, None, meta)
+        model.sampled_logits([float(t) for t in ids],  # type: ignore[misc]
+                             positions, None, meta)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from splitserve.model import kernels
+from splitserve.model.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), torch.bfloat16),
                                 reason="exact kernels need an x86 CPU with AVX2")
@@ -25,10 +26,10 @@ pytestmark = pytest.mark.skipif(not kernels.is_supported(torch.device("cpu"), to
 PROMPT = 400  # tokens of the prefill step: a few hundred tasks an op
 
 
-def _prefill(model: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill(model: LlamaForCausalLM, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's PROMPT-token prefill through the one-call stack: (hidden, KV)."""
     from splitserve.model.attention import AttentionMetadata, ExactBatch, forward_context
-    spec = model.spec  # type: ignore[attr-defined]
+    spec = model.spec
     torch.manual_seed(seed)
     blocks = -(-PROMPT // 16)
     kv = (torch.randn(spec.num_layers, 2, blocks, 16, spec.num_kv_heads, spec.head_dim)

@@ -117,7 +117,7 @@ def test_exact_bf16_engine_is_as_close_to_hf_fp32_as_hf_bf16(hf_reference_smollm
         logits, first_max = sampled_logits(*args)
         rows.append(logits)
         return logits, first_max
-    llm.engine.model.sampled_logits = capture  # type: ignore[method-assign]
+    llm.engine.model.sampled_logits = capture  # type: ignore[method-assign,assignment]
     hf32 = hf_reference_smollm2
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     tok = llm.tokenizer

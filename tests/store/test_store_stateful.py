@@ -51,6 +51,8 @@ def quota_of(tenant: str) -> int:
 class TierMachine(RuleBasedStateMachine):
     """Rules and checks shared by both tiers; subclasses make the tier and its put."""
 
+    tier: HostTier | DiskTier
+
     def __init__(self) -> None:
         super().__init__()
         self.model: OrderedDict[tuple[str, bytes], tuple[BlockKey, bytes]] = OrderedDict()
@@ -142,6 +144,8 @@ class TierMachine(RuleBasedStateMachine):
 
 
 class HostMachine(TierMachine):
+    tier: HostTier
+
     def __init__(self) -> None:
         super().__init__()
         self.tier = HostTier(CAPACITY, BB, tenant_quota_bytes=QUOTA, quotas=QUOTAS)
@@ -152,6 +156,7 @@ class HostMachine(TierMachine):
 
 class DiskMachine(TierMachine):
     master_key = new_master_key()
+    tier: DiskTier
 
     def __init__(self) -> None:
         super().__init__()

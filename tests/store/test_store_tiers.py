@@ -116,7 +116,7 @@ def test_purge_removes_every_tier_and_queued_writes(tmp_path: Path) -> None:
         started.set()
         release.wait(WAIT_S)
         real_write(item)  # type: ignore[arg-type]
-    writer._write = stalled_write  # type: ignore[method-assign]
+    writer._write = stalled_write  # type: ignore[method-assign,assignment]
     a_data = [payload() for _ in range(6)]
     store.offload(key(0, "A"), a_data[0], reused=True)
     store.offload(key(1, "A"), a_data[1], reused=True)
@@ -160,7 +160,7 @@ def test_full_writer_queue_refuses_busy(tmp_path: Path) -> None:
         started.set()
         gate.wait(WAIT_S)
         return real_put(*args, **kwargs)  # type: ignore[arg-type]
-    store.disk.put = stalled_put  # type: ignore[method-assign]
+    store.disk.put = stalled_put  # type: ignore[method-assign,assignment]
     store.offload(key(0), payload(), reused=True)
     store.offload(key(1), payload(), reused=True)  # evicts 0: in flight
     assert started.wait(WAIT_S)

@@ -22,6 +22,7 @@ from splitserve.transfer.blob import (MAX_RECORD_BYTES, PRELUDE, BlobHeader, Blo
 from splitserve.transfer.layer_codec import (DTYPES, Compression, decode_layer, encode_layer,
                                              layer_nbytes)
 from splitserve.transfer.mac import NO_TAG, FrameMac, new_key
+from splitserve.transfer.transport import Buffer
 
 KEY = new_key()
 
@@ -53,8 +54,8 @@ def blobs(draw: st.DrawFn) -> tuple[BlobHeader, list[torch.Tensor], BlobTrailer]
 
 
 def _encode(header: BlobHeader, layers: list[torch.Tensor], trailer: BlobTrailer) -> bytes:
-    return encode_blob(header, [encode_layer(kv, header.compression) for kv in layers], trailer,
-                       KEY)
+    parts: list[list[Buffer]] = [list(encode_layer(kv, header.compression)) for kv in layers]
+    return encode_blob(header, parts, trailer, KEY)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

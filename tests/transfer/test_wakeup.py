@@ -12,6 +12,7 @@ from collections.abc import Callable
 from splitserve.cluster.frontend.link import WorkerLink
 from splitserve.cluster.frontend.metrics import Metrics
 from splitserve.cluster.worker.control import FrontendSocket
+from splitserve.engine.output import RequestOutput
 from splitserve.transfer.transport import TransferState
 from splitserve.transfer.wakeup import Wakeup
 from tests.transfer.conftest import PARAMS, PROMPT, Pair
@@ -72,7 +73,7 @@ def test_a_transfer_raises_the_wakeups_of_both_sides(make_pair: Callable[..., Pa
                               hold_kv=True)
     send = pair.sender.start("r", plan)
     recv = pair.receiver_handle(plan)
-    outs = []
+    outs: list[RequestOutput] = []
     while not outs:
         outs = pair.a.engine.step()
     pair.sender.poll(outs)  # ends the stream with its trailer

@@ -29,7 +29,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from splitserve.cluster import protocol as P
@@ -122,7 +122,7 @@ class Dispatcher(WorkerMessages):
         self.link.close()
 
     # -- the request path -----------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         flight = self._admit(request)
         outcome = Outcome.ERROR
         try:
