@@ -80,6 +80,16 @@ def agg(start_server: Any) -> Any:
     return start_server("--mode", "agg", *FLAGS)
 
 
+@pytest.fixture(scope="module")
+def mixed(start_server: Any) -> Any:
+    """The layout `--mode auto` picks on a small machine for long prompts: the decode worker
+    prefills what the router keeps local, the prefill worker (borrowing its core) the rest,
+    so local chunked prefills share the decode worker's steps with sequences whose KV came
+    over the wire."""
+    return start_server("--mode", "disagg", "--disagg-policy", "auto",
+                        "--slo-tpot-ms", "50", *FLAGS[2:])
+
+
 def client(server: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                          timeout=120)
@@ -202,14 +212,19 @@ def alone(offline: LLM) -> list[str]:
     return outs
 
 
-@pytest.mark.parametrize("mode", ["disagg", "agg"])
+@pytest.mark.parametrize("mode", ["disagg", "agg", "mixed"])
 def test_16_concurrent_streams_match_each_prompt_generated_alone_offline(
         mode: str, request: pytest.FixtureRequest, alone: list[str]) -> None:
     """16 streams at once (mixed lengths, so chunked prefills share steps with decodes and
     batches change every step) each give exactly the text the offline engine gives for
-    that prompt run by itself, in a batch of one."""
+    that prompt run by itself, in a batch of one. In the mixed layout a third of them are
+    forced local and a third remote (the per-request override; the rest the router's
+    choice), so both kinds certainly meet on the decode worker."""
     server = request.getfixturevalue(mode)
     name = model_name(server)
+    overrides = ([{"disagg": ("auto", "never", "always")[i % 3]} for i in range(16)]
+                 if mode == "mixed" else [{}] * 16)
+    before = decisions(server)
 
     async def run_all() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
@@ -217,13 +232,25 @@ def test_16_concurrent_streams_match_each_prompt_generated_alone_offline(
             async def one(i: int) -> str:
                 stream = await ac.completions.create(
                     model=name, prompt=CONCURRENT[i], max_tokens=CONCURRENT_MAX_TOKENS[i],
-                    stream=True, extra_body={"ignore_eos": True}, **CONCURRENT_SAMPLING[i])
+                    stream=True, extra_body={"ignore_eos": True, **overrides[i]},
+                    **CONCURRENT_SAMPLING[i])
                 return "".join([ch.choices[0].text async for ch in stream if ch.choices])
             return list(await asyncio.gather(*(one(i) for i in range(len(CONCURRENT)))))
     outs = asyncio.run(run_all())
     for i, (got, want) in enumerate(zip(outs, alone)):
         assert got == want, (f"{mode} prompt {i} {CONCURRENT[i][:40]!r} "
                              f"{CONCURRENT_SAMPLING[i]}: {got!r} != {want!r}")
+    made = {k: v - before.get(k, 0.0) for k, v in decisions(server).items()}
+    assert sum(made.values()) == len(CONCURRENT), made
+    if mode == "mixed":
+        assert made["forced_local"] == made["forced_remote"] == 5, made
+
+
+def decisions(server: Any) -> dict[str, float]:
+    """splitserve_router_decisions_total by decision."""
+    return {reason: float(value) for reason, value in re.findall(
+        r'^splitserve_router_decisions_total\{decision="(\w+)"\} (\S+)$',
+        server.get_text("/metrics"), flags=re.M)}
 
 
 def test_metrics_after_traffic(disagg: Any) -> None:
