@@ -8,6 +8,14 @@ deadline) or corrupted (completed with another output). Lost and corrupted must 
 At the end every worker's KV pool must pass its invariant check and hold nothing.
 
     python benchmarks/soak.py [--duration-s 180] [--rate 1.0] [--fault-every-s 12] [--quick]
+                              [--layout disagg|mixed]
+
+`--layout disagg` (the default): 1 prefill + 2 decode workers, one thread each, every
+prompt prefilled remotely. `--layout mixed`: what `splitserve serve` picks for long prompts
+on a 2-core machine: 1 prefill + 1 decode worker under the router's conditional
+disaggregation with a TPOT target, the prefill worker borrowing the decode worker's core
+(helper threads on a lease) and the decode worker pacing its steps; faults then hit the
+only decode worker too, whose requests wait for its restart.
 """
 from __future__ import annotations
 
@@ -41,10 +49,21 @@ FAULTS: list[tuple[str, str, dict[str, Any]]] = [
     ("fail a prefill with an error", "prefill", {"kind": "error", "point": "prefill"}),
 ]
 # The default dtype (bf16 with the exact, batch-invariant kernels), as users run it.
-FLAGS = ["--mode", "disagg", "--prefill", "1", "--decode", "2", "--disagg-policy", "always",
-         "--threads-per-worker", "1", "--max-model-len", "2048",
-         "--kv-cache-memory-bytes", str(256 << 20), "--enable-fault-injection",
-         "--heartbeat-timeout-s", "5", "--kv-timeout-s", "5"]
+COMMON = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
+          "--enable-fault-injection", "--heartbeat-timeout-s", "5", "--kv-timeout-s", "5"]
+# layout -> (its flags, its workers, how the section describes it)
+LAYOUTS: dict[str, tuple[list[str], int, str]] = {
+    "disagg": (["--mode", "disagg", "--prefill", "1", "--decode", "2", "--disagg-policy",
+                "always", "--threads-per-worker", "1"], 3,
+               "1 prefill + 2 decode workers (bf16, the default, one thread each, "
+               "`--disagg-policy always`"),
+    "mixed": (["--mode", "disagg", "--prefill", "1", "--decode", "1", "--disagg-policy",
+               "auto", "--slo-tpot-ms", "100"], 2,
+              "1 prefill + 1 decode worker (bf16, the default, one core each, the prefill "
+              "worker borrowing the decode worker's core, `--disagg-policy auto` with "
+              "`--slo-tpot-ms 100`: the router prefills some prompts on the decode worker, "
+              "which paces its steps"),
+}
 TOPICS = ["rivers", "volcanoes", "bridges", "comets", "forests", "deserts", "glaciers",
           "islands"]
 SYSTEM = " ".join(f"Rule {i}: be brief and exact." for i in range(12))
@@ -139,6 +158,7 @@ def main() -> int:
     ap.add_argument("--request-deadline-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=20261122)
     ap.add_argument("--quick", action="store_true", help="40 s, no docs written")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="disagg")
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
     args = ap.parse_args()
     if args.quick:
@@ -149,12 +169,13 @@ def main() -> int:
     from tests.faults.harness import assert_pools_clean, metric
     pool = request_pool(24, args.seed)
     expected = references(pool)
-    server = ServerProcess(*FLAGS)
+    flags, num_workers, described = LAYOUTS[args.layout]
+    server = ServerProcess(*flags, *COMMON)
     monitor = CpuMonitor().start()
     try:
         result = asyncio.run(soak(server, args, pool, expected))
         try:
-            assert_pools_clean(server, 3, timeout_s=120)
+            assert_pools_clean(server, num_workers, timeout_s=120)
             pools = "every pool passed check_invariants() and held 0 blocks, 0 requests"
         except AssertionError as exc:
             pools = f"NOT CLEAN: {exc}"
@@ -178,8 +199,7 @@ def main() -> int:
     body = "\n".join([
         f"{args.duration_s:.0f} s of Poisson load at {args.rate} req/s (streaming, 24 distinct "
         "prompts, half sharing a system prefix, greedy and seeded sampling, 16-64 tokens) "
-        "on 1 prefill + 2 decode workers (bf16, the default, one thread each, "
-        "`--disagg-policy always`, default `--kv-failure-policy recompute`), one fault "
+        f"on {described}, default `--kv-failure-policy recompute`), one fault "
         f"every {args.fault_every_s:.0f} s, "
         "cycling through the kinds below. Outputs are checked against the offline engine.", "",
         markdown_table(["", "count"], rows), "",
@@ -190,7 +210,8 @@ def main() -> int:
          if result["errors"] else []))
     print(body)
     if not args.quick:
-        write_section(args.output, "Soak under faults", body, machine=machine_description())
+        title = "Soak under faults" + ("" if args.layout == "disagg" else f", {args.layout}")
+        write_section(args.output, title, body, machine=machine_description())
     return 0 if out["lost"] == 0 and out["corrupted"] == 0 and "NOT" not in pools else 1
 
 
