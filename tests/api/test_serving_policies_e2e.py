@@ -1,9 +1,10 @@
 """End to end, real processes: conditional disaggregation (and its per-request override),
-tenant isolation, admission control (429 + Retry-After) and deadlines (504), each through
-the openai client."""
+tenant isolation, admission control (429 + Retry-After), deadlines (504) and clients that
+leave mid-request, each through a real HTTP client."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from typing import Any
@@ -123,3 +124,46 @@ def test_overload_is_refused_with_429_and_retry_after(tight: Any) -> None:
                      flags=re.M)
     assert re.search(r'^splitserve_requests_total\{outcome="timeout"\} [1-9]', metrics,
                      flags=re.M)
+
+
+def test_clients_leaving_at_random_moments_leave_nothing_behind(auto: Any) -> None:
+    """24 requests at once under conditional disaggregation (local and remote prefills,
+    KV transfers, decodes, some queued), most abandoned by their client at a random moment:
+    in the queue, during a prefill on either worker, mid-transfer or mid-decode. Afterwards
+    nothing is in flight, every pool is consistent and empty, no worker restarted, and the
+    server answers as before."""
+    rng = random.Random(20261206)
+    plans = [(SHARED * rng.choice([0, 1, 2]) + f" Question {i}: count to {rng.choice([5, 20])}.",
+              rng.choice([4, 64, 300]), rng.choice([True, True, True, False]),
+              rng.uniform(0.0, 3.0) if i % 4 else None) for i in range(24)]
+
+    async def fire() -> list[str]:
+        async with httpx.AsyncClient(base_url=auto.url, timeout=120) as http:
+            async def one(prompt: str, max_tokens: int, stream: bool,
+                          leave_after_s: float | None) -> str:
+                body = {"model": name(auto), "prompt": prompt, "max_tokens": max_tokens,
+                        "stream": stream, "ignore_eos": True, "temperature": 0}
+                try:
+                    async with asyncio.timeout(leave_after_s):
+                        async with http.stream("POST", "/v1/completions", json=body) as r:
+                            await r.aread()
+                            return str(r.status_code)
+                except TimeoutError:
+                    return "left"
+            return list(await asyncio.gather(*(one(*plan) for plan in plans)))
+    outcomes = asyncio.run(fire())
+    assert set(outcomes) <= {"200", "left"} and "left" in outcomes, outcomes
+    assert outcomes.count("200") >= sum(plan[3] is None for plan in plans), outcomes
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pools = auto.get_json("/admin/pools")["workers"]
+        if auto.get_json("/health")["in_flight"] == 0 and all(
+                p["used_blocks"] == 0 and p["requests"] == 0 for p in pools.values()):
+            break
+        time.sleep(0.3)
+    assert auto.get_json("/health")["in_flight"] == 0
+    assert all(p["ok"] and p["used_blocks"] == 0 and p["requests"] == 0
+               for p in pools.values()), pools
+    assert auto.restarts() == 0
+    assert client(auto).completions.create(model=name(auto), prompt="Hi", temperature=0,
+                                           max_tokens=4).choices[0].text
