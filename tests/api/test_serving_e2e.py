@@ -23,6 +23,7 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.faults.harness import metric
 
 FLAGS = ("--threads-per-worker", "1", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20))
@@ -224,7 +225,8 @@ def test_16_concurrent_streams_match_each_prompt_generated_alone_offline(
     name = model_name(server)
     overrides = ([{"disagg": ("auto", "never", "always")[i % 3]} for i in range(16)]
                  if mode == "mixed" else [{}] * 16)
-    before = decisions(server)
+    counts = ("", "forced_local", "forced_remote")  # all decisions, then two of them
+    before = [decided(server, kind) for kind in counts]
 
     async def run_all() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
@@ -240,17 +242,16 @@ def test_16_concurrent_streams_match_each_prompt_generated_alone_offline(
     for i, (got, want) in enumerate(zip(outs, alone)):
         assert got == want, (f"{mode} prompt {i} {CONCURRENT[i][:40]!r} "
                              f"{CONCURRENT_SAMPLING[i]}: {got!r} != {want!r}")
-    made = {k: v - before.get(k, 0.0) for k, v in decisions(server).items()}
-    assert sum(made.values()) == len(CONCURRENT), made
+    made = [decided(server, kind) - b for kind, b in zip(counts, before)]
+    assert made[0] == len(CONCURRENT), made
     if mode == "mixed":
-        assert made["forced_local"] == made["forced_remote"] == 5, made
+        assert made[1] == made[2] == 5, made
 
 
-def decisions(server: Any) -> dict[str, float]:
-    """splitserve_router_decisions_total by decision."""
-    return {reason: float(value) for reason, value in re.findall(
-        r'^splitserve_router_decisions_total\{decision="(\w+)"\} (\S+)$',
-        server.get_text("/metrics"), flags=re.M)}
+def decided(server: Any, kind: str) -> float:
+    """Routing decisions so far, of one kind ("": all)."""
+    labels = {"decision": kind} if kind else {}
+    return metric(server, "splitserve_router_decisions_total", **labels)
 
 
 def test_metrics_after_traffic(disagg: Any) -> None:

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.faults.harness import assert_pools_clean
 
 FLAGS = ("--threads-per-worker", "1", "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20))
@@ -154,16 +155,7 @@ def test_clients_leaving_at_random_moments_leave_nothing_behind(auto: Any) -> No
     outcomes = asyncio.run(fire())
     assert set(outcomes) <= {"200", "left"} and "left" in outcomes, outcomes
     assert outcomes.count("200") >= sum(plan[3] is None for plan in plans), outcomes
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        pools = auto.get_json("/admin/pools")["workers"]
-        if auto.get_json("/health")["in_flight"] == 0 and all(
-                p["used_blocks"] == 0 and p["requests"] == 0 for p in pools.values()):
-            break
-        time.sleep(0.3)
-    assert auto.get_json("/health")["in_flight"] == 0
-    assert all(p["ok"] and p["used_blocks"] == 0 and p["requests"] == 0
-               for p in pools.values()), pools
+    assert_pools_clean(auto, num_workers=2)  # nothing in flight, every pool ok and empty
     assert auto.restarts() == 0
     assert client(auto).completions.create(model=name(auto), prompt="Hi", temperature=0,
                                            max_tokens=4).choices[0].text
