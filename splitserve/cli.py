@@ -11,7 +11,6 @@ import yaml
 from splitserve.bench.command import add_bench_args, bench_command
 from splitserve.config import (CacheConfig, DeadlineConfig, EngineConfig, HttpConfig,
                                KVStoreConfig, RayConfig, SchedulerConfig, ServeConfig)
-from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.errors import SplitserveError
 
@@ -40,6 +39,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def chat(args: argparse.Namespace) -> int:
+    from splitserve.engine.engine import LLMEngine  # torch: only the commands that run it
+
     engine = LLMEngine(engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)

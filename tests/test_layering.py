@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "splitserve"
 
@@ -146,3 +148,15 @@ def test_no_import_cycles() -> None:
         if name not in state:
             cycle = visit(name)
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cli_the_bench_client_and_the_http_layer_load_no_torch() -> None:
+    """The package's promise (splitserve/__init__.py): light users do not pay for torch,
+    ~1.5-2 s of import and ~300 MB. `splitserve --help` and `splitserve bench` never load
+    it, nor does importing the HTTP server; the engine's users (workers, `splitserve
+    chat`) load it when they build one."""
+    code = ("import sys, splitserve.cli, splitserve.bench.command, splitserve.api.serve; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

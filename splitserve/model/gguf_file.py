@@ -21,15 +21,17 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
@@ -176,6 +178,8 @@ class GGUFFile:
 
     def load_tensor(self, name: str) -> torch.Tensor:
         """The tensor `name` dequantized to float32, shaped in torch order."""
+        import torch  # here, not at the top: the HTTP frontend reads specs, never tensors
+
         info = self.tensors[name]
         try:
             block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]

@@ -5,13 +5,15 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from splitserve.errors import ModelLoadError
 from splitserve.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 # HF `architectures` entry (or `model_type`) -> ModelSpec.architecture
 _ARCHITECTURES = {

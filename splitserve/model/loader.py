@@ -1,13 +1,13 @@
 """Open a checkpoint (HF directory or GGUF file): spec, tokenizer, digest and HF-named weights."""
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 import xxhash
 
 from splitserve.errors import ModelLoadError
@@ -16,6 +16,9 @@ from splitserve.model.gguf_file import GGUFFile, GGUFWeights, gguf_spec
 from splitserve.model.hf_dir import SafetensorsWeights, hf_weight_names, read_hf_spec
 from splitserve.model.spec import ModelSpec
 from splitserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 _DIGEST_CHUNK = 8 << 20  # bytes per read while hashing weight files
 
@@ -31,9 +34,10 @@ class WeightSource(Protocol):
     def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checkpoint:
-    """An opened, validated checkpoint; weights are read lazily by `iter_weights`."""
+    """An opened, validated checkpoint; weights are read lazily by `iter_weights`. One
+    object may serve several callers (open_checkpoint keeps the last few)."""
 
     path: str  # resolved file or directory
     spec: ModelSpec
@@ -59,7 +63,11 @@ def open_checkpoint(path: str | None) -> Checkpoint:
     """
     resolved = os.path.abspath(default_model_path() if path is None else os.path.expanduser(path))
     try:
-        return _open(resolved)
+        try:
+            stamp = _stamp(resolved)
+        except OSError:
+            return _open(resolved)  # it names what is missing
+        return _open_stamped(resolved, stamp)
     except ModelLoadError:
         raise
     except (OSError, KeyError, IndexError, ValueError, TypeError, struct.error) as e:
@@ -68,6 +76,21 @@ def open_checkpoint(path: str | None) -> Checkpoint:
             f"cannot load checkpoint {resolved} ({type(e).__name__}: {e}); it is corrupt or "
             "unsupported, re-download or re-convert it"
         ) from e
+
+
+def _stamp(resolved: str) -> tuple[tuple[str, int, int], ...]:
+    """(path, size, mtime) of the file, or of every file in the directory."""
+    paths = ([os.path.join(resolved, e) for e in sorted(os.listdir(resolved))]
+             if os.path.isdir(resolved) else [resolved])
+    return tuple((p, st.st_size, st.st_mtime_ns) for p in paths for st in [os.stat(p)])
+
+
+@functools.lru_cache(maxsize=4)
+def _open_stamped(resolved: str, stamp: tuple[tuple[str, int, int], ...]) -> Checkpoint:
+    """_open, kept per file state: a server's frontend opens its checkpoint two or three
+    times (the layout's profile key, the router's priors, the model list), ~0.6 s each
+    for the default GGUF's 49 k-token vocabulary; a changed file is opened afresh."""
+    return _open(resolved)
 
 
 def _open(resolved: str) -> Checkpoint:

@@ -119,6 +119,24 @@ def test_weights_digest(smollm2: Checkpoint, default_model_path: str, tiny_llama
     assert open_checkpoint(tiny_llama_dir).weights_digest == digests[1]
 
 
+def test_an_unchanged_checkpoint_is_opened_once_and_a_changed_one_afresh(
+        tiny_llama_dir: str, tmp_path: Path) -> None:
+    ckpt_dir = _copy_dir(tiny_llama_dir, tmp_path / "ckpt")
+    first = open_checkpoint(str(ckpt_dir))
+    assert open_checkpoint(str(ckpt_dir)) is first
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3  # a rewritten config.json, and then a new weight file
+    (ckpt_dir / "config.json").write_text(json.dumps(config))
+    second = open_checkpoint(str(ckpt_dir))
+    assert second.spec.rms_norm_eps == 1e-3 and second.weights_digest == first.weights_digest
+    weights = _state_dict(str(ckpt_dir))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, str(ckpt_dir / "model.safetensors"))
+    third = open_checkpoint(str(ckpt_dir))
+    assert third.weights_digest != first.weights_digest
+    assert open_checkpoint(str(ckpt_dir)) is third
+
+
 def test_directory_with_one_gguf(default_model_path: str) -> None:
     ckpt = open_checkpoint(os.path.dirname(default_model_path))
     assert ckpt.path == default_model_path
