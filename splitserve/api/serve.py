@@ -20,7 +20,7 @@ from splitserve.api.http_protocol import uvicorn_config
 from splitserve.api.request_id import log_config
 from splitserve.api.server import build_app
 from splitserve.cluster.frontend.dispatcher import Dispatcher
-from splitserve.cluster.heap import freeze_startup_heap
+from splitserve.cluster.heap import freeze_startup_heap, pause_collector
 from splitserve.cluster.launcher import Cluster
 from splitserve.cluster.protocol import Role
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
@@ -111,6 +111,7 @@ def model_info(config: ServeConfig, max_model_len: int) -> ModelInfo:
 async def serve(config: ServeConfig) -> None:
     import setproctitle
     setproctitle.setproctitle("splitserve-frontend")
+    pause_collector()  # until the startup heap is frozen, below
     Access.from_config(config.http)  # a bad key file fails before any worker starts
     cluster = Cluster(config)
     dispatcher = await cluster.start()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from splitserve.cluster.heap import freeze_startup_heap
+from splitserve.cluster.heap import freeze_startup_heap, pause_collector
 
 
 class _Node:
@@ -20,9 +20,12 @@ class _Node:
 def unfrozen() -> Iterator[None]:
     yield
     gc.unfreeze()  # this test process goes on collecting as before
+    gc.enable()
 
 
 def test_the_heap_is_collected_then_frozen(unfrozen: None) -> None:
+    pause_collector()  # as a serving process starts: no collection while it builds
+    assert not gc.isenabled()
     kept = [_Node() for _ in range(1000)]  # a startup object, still in use
     a, b = _Node(), _Node()
     a.other, b.other = b, a  # garbage in a cycle: only the collector frees it
@@ -30,6 +33,7 @@ def test_the_heap_is_collected_then_frozen(unfrozen: None) -> None:
     del a, b
     assert cycle() is not None
     frozen = freeze_startup_heap("test")
+    assert gc.isenabled(), "the collector is back on once the startup heap is frozen"
     assert cycle() is None, "garbage is collected, not frozen"
     assert frozen >= len(kept)  # (the count moves as other threads free frozen objects)
     tracked = {id(o) for o in gc.get_objects()}

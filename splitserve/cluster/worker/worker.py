@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from splitserve.cluster import protocol as P
 from splitserve.cluster.auth import WorkerSecret
-from splitserve.cluster.heap import freeze_startup_heap
+from splitserve.cluster.heap import freeze_startup_heap, pause_collector
 from splitserve.cluster.protocol import FailureKind, FaultSpec
 from splitserve.cluster.worker.membership import Membership
 from splitserve.cluster.worker.reports import Reports
@@ -48,6 +48,7 @@ BUSY_WAIT_S = 0.002  # sleep while waiting for free blocks to import KV into
 
 class Worker(RequestHandling):
     def __init__(self, spec: WorkerSpec, secret: WorkerSecret) -> None:
+        pause_collector()  # until run() freezes the startup heap (heap.py)
         self.spec = spec
         self.engine = LLMEngine(EngineConfig.from_kwargs(**spec.engine_args))
         self.engine.enable_kv_events()  # this worker publishes them (_publish_events)
