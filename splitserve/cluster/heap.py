@@ -13,9 +13,10 @@ is never collected.
 
 Until then the collector is off (`pause_collector`, at the start of a worker's engine
 build and of the frontend's start): every full collection during startup walked the whole
-heap built so far, and an engine's start took ~1.5 s less without them (a Zen 3 VM, the
-default model: 4.2-5.2 s against 5.8-7.4 s, paired runs, docs/benchmarks.md "Start-up").
-The startup's garbage cycles are freed by the one collection before the freeze.
+heap built so far. The default model's `LLMEngine()` built in 4.2-5.2 s without them
+against 5.8-7.4 s with them (a Zen 3 VM, paired runs in one process each); a served
+start gained less (docs/benchmarks.md "Start-up"). The startup's garbage cycles are
+freed by the one collection before the freeze.
 """
 from __future__ import annotations
 
