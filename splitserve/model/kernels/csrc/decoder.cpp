@@ -10,7 +10,11 @@
 // The workspace is kept between calls (grown when a step needs more): a step that runs
 // its layers one call each (a layer hook streaming KV out) allocated ~9 MB per layer at
 // 512 tokens, fresh pages the allocator handed back and forth, 18 ms of a 190 ms prefill.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
 #include <cstring>
 #include <mutex>
@@ -346,7 +350,7 @@ class ExactDecoder {
   float eps_, scale_;
 };
 
-void register_decoder(pybind11::module& m) {
+void register_decoder(pybind11::module_& m) {
   namespace py = pybind11;
   // module-local: two builds of the kernels can be loaded side by side in one process
   // (in-process A/B of kernel changes, docs/benchmarks.md, 2026-11-29 21:20)

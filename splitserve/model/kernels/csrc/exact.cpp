@@ -23,8 +23,9 @@
 // with AMX, but with bits of their own, so an engine there has its own fingerprint
 // (kernels_version() in __init__.py); SPLITSERVE_CPU_ISA=avx512_bf16 keeps such a machine
 // on the fold.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
 #include <cstring>
 #include <tuple>

@@ -4,7 +4,9 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // every binding file has the same casters (exact.cpp and
+                            // decoder.cpp: through torch/csrc/utils/pybind.h)
 
 #include <chrono>
 
@@ -150,7 +152,7 @@ void lease_free(int64_t address) {
 
 }  // namespace
 
-void register_helpers(pybind11::module& m) {
+void register_helpers(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("start_helpers", &start_helpers, "helper threads on lent cores (helpers.h)",
         py::arg("cores"), py::arg("leases"), py::arg("nice"));

@@ -11,7 +11,8 @@
 // computes them once, with the formula's own code under the step's MXCSR, into a table
 // (256 KB of fp32, L2-resident) and gathers from it, the same bits without an exp and a
 // division per element (those were 6% of a one-thread 512-token prefill step).
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <tuple>

@@ -1,7 +1,7 @@
 // The checks of a step's operands that the kernels share: a layer of the paged KV cache,
 // the step's block tables and context lengths, its KV slots and rotary tables. The tensor
 // entry points run them on every call; the decoder once per step, for all its layers.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include "ops.h"
 

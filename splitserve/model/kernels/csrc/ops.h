@@ -8,11 +8,19 @@
 // a slow core spent ~2 ms of 17 in those allocations and checks).
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor alone, not <torch/extension.h>: that header (the whole C++ frontend and
+// the Python bindings) cost each file ~31 s of a ~2-minute first build on 2 cores; only
+// the files that bind to Python include pybind11 (exact.cpp, decoder.cpp, helpers.cpp).
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <tuple>
 
 #include "common.h"
+
+namespace pybind11 {
+class module_;
+}
 
 // exact.cpp: y = x @ W^T over packed bf16 or int8 (with `scale`) weights.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t N,
@@ -31,8 +39,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& kv_layer, const at::Tensor& slot_mapping, int64_t H);
 // decoder.cpp
-void register_decoder(pybind11::module& m);
-void register_helpers(pybind11::module& m);  // helpers.cpp
+void register_decoder(pybind11::module_& m);
+void register_helpers(pybind11::module_& m);  // helpers.cpp
 
 namespace exact {
 

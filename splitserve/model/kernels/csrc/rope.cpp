@@ -3,7 +3,7 @@
 // is torch's bf16 ops, element for element:
 //   y[d] = bf16( bf16(x[d] * cos[d]) + bf16(x[(d + D/2) % D] * signed_sin[d]) )
 // (rotate-half with its sign folded into the sin table, as layers.apply_rotary does).
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
 
 #include <cstring>
 
