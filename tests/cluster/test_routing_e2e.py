@@ -31,13 +31,16 @@ def test_back_to_back_requests_go_to_the_idle_worker_not_the_decoding_one(
     server = start_server("--mode", "agg", "--decode", "2", "--max-model-len", "1024")
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    decoding = threading.Event()
+    decoding, done = threading.Event(), threading.Event()
 
-    def stream() -> None:
-        for _ in client.completions.create(model=model, prompt=list(range(100, 116)),
-                                           max_tokens=1000, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True}):
-            decoding.set()
+    def stream() -> None:  # until the short requests are done (then the client leaves)
+        with client.completions.create(model=model, prompt=list(range(100, 116)),
+                                       max_tokens=1000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}) as chunks:
+            for _ in chunks:
+                decoding.set()
+                if done.is_set():
+                    return
     busy = threading.Thread(target=stream)
     busy.start()
     assert decoding.wait(60), server.log()
@@ -48,6 +51,7 @@ def test_back_to_back_requests_go_to_the_idle_worker_not_the_decoding_one(
         client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert busy.is_alive(), "the stream outlasts the short requests"
+    done.set()
     busy.join(300)
     taken = _query_tokens(server)
     assert taken.get(other) == 8 * 96 and taken.get(busy_on[0]) == 16, (busy_on, taken)
