@@ -11,6 +11,8 @@ from typing import Any
 
 from openai import OpenAI
 
+from tests.faults.harness import metric
+
 QUESTIONS = ["Tell me about the ocean.", "Describe a forest at dawn.", "Explain how bread rises.",
              "Write about a train journey.", "What is a galaxy?", "Describe a busy market.",
              "Explain why leaves change color.", "Tell a story about a clockmaker."]
@@ -59,11 +61,6 @@ class _Streams:
         return self.texts
 
 
-def _metric(server: Any, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in server.get_text("/metrics").splitlines()
-               if line.startswith(name))
-
-
 def test_drain_moves_eight_decoding_sequences_exactly(start_server: Any) -> None:
     server = start_server("--prefill", "1", "--decode", "1", "--disagg-policy", "always")
     reference = _Streams(server.url).join()  # undisturbed: one decode worker throughout
@@ -88,9 +85,9 @@ def test_drain_moves_eight_decoding_sequences_exactly(start_server: Any) -> None
     assert streams.join() == reference
     workers = {w["id"]: w for w in server.workers()}
     assert "decode-0" not in workers and workers["decode-1"]["healthy"]
-    assert _metric(server, 'splitserve_live_migrations_total{outcome="moved"}') == 8
-    assert _metric(server, "splitserve_retries_total") == 0  # moved, never replayed
-    assert _metric(server, "splitserve_reprefills_total") == 0  # no import fell back
+    assert metric(server, "splitserve_live_migrations_total", outcome="moved") == 8
+    assert metric(server, "splitserve_retries_total") == 0  # moved, never replayed
+    assert metric(server, "splitserve_reprefills_total") == 0  # no import fell back
     assert server.restarts() == 0  # a drained worker is not restarted
     for _, pool in server.get_json("/admin/pools")["workers"].items():
         assert pool["ok"] and pool["used_blocks"] == 0, pool
