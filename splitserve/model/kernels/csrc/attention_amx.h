@@ -69,31 +69,40 @@ AMX_TARGET inline void rows_of_keys(const bf16_t* keys, bf16_t* rows) {
 // `lo`, the shortest context of the tile's rows in use, are inside every such row's
 // context and skip the masks (lanes of rows not in use get values nobody reads). Out of
 // line: inside the tile kernel gcc kept m and the scale on the stack (a store and a load a
-// key).
+// key). The max runs in 4 chains (keys l = j mod 4), then their max: a max is exact in any
+// order, and max(s, mx) keeps mx where s is NaN, so no chain ever holds a NaN (as the
+// fold). A chain's latency bounded the pass (a VMAXPS a key); 4 fill the ports.
 __attribute__((noinline)) AMX_TARGET inline void softmax_numerators(
     const float* st, int64_t L, int64_t lo, const int32_t* row_ctx, float scale, bf16_t* pt,
     float* zs) {
   const __m512i ctx_v = _mm512_loadu_si512(row_ctx);
   const __m512 sc_v = _mm512_set1_ps(scale);
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t l = 0; l < lo; ++l)  // max(s, mx) keeps mx where s is NaN, as below
-    mx = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v), mx);
-  for (int64_t l = lo; l < L; ++l) {
-    const __mmask16 in = _mm512_cmpgt_epi32_mask(ctx_v, _mm512_set1_epi32((int)l));
-    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
-    mx = _mm512_mask_max_ps(mx, in, s, mx);  // keeps mx where s is NaN, as the fold does
-  }
+  const auto score = [&](int64_t l) AMX_TARGET {
+    return _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
+  };
+  const auto keep = [&](__m512 mx, int64_t l) AMX_TARGET {  // the masked max at key l >= lo
+    return _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(ctx_v, _mm512_set1_epi32((int)l)),
+                              score(l), mx);
+  };
+  __m512 m4[4];
+  for (__m512& m : m4) m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 4 <= lo; i += 4)
+    for (int j = 0; j < 4; ++j) m4[j] = _mm512_max_ps(score(i + j), m4[j]);
+  for (; i < lo; ++i) m4[0] = _mm512_max_ps(score(i), m4[0]);
+  for (; i + 4 <= L; i += 4)
+    for (int j = 0; j < 4; ++j) m4[j] = keep(m4[j], i + j);
+  for (; i < L; ++i) m4[0] = keep(m4[0], i);
+  const __m512 mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
   __m512 z = _mm512_setzero_ps();
   for (int64_t l = 0; l < lo; ++l) {
-    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
-    const __m256i pb = f32x16_to_bf16(exp16(_mm512_sub_ps(s, mx)));
+    const __m256i pb = f32x16_to_bf16(exp16(_mm512_sub_ps(score(l), mx)));
     _mm256_storeu_si256((__m256i*)(pt + l * 16), pb);
     z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
   }
   for (int64_t l = lo; l < L; ++l) {
     const __mmask16 in = _mm512_cmpgt_epi32_mask(ctx_v, _mm512_set1_epi32((int)l));
-    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + l * 16), sc_v);
-    const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(s, mx)));
+    const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(score(l), mx)));
     const __m256i pb = f32x16_to_bf16(e);
     _mm256_storeu_si256((__m256i*)(pt + l * 16), pb);
     z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
