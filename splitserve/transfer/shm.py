@@ -44,7 +44,7 @@ from collections.abc import Sequence
 
 from splitserve.errors import (BlobFormatError, TransferRejected, TransferTimeout,
                                TruncatedTransfer)
-from splitserve.transfer.transport import (LISTEN_BACKLOG, Buffer, Channel, Listener,
+from splitserve.transfer.transport import (Buffer, Channel, Listener, SocketListener,
                                            Transport, close_socket, register_transport,
                                            remaining)
 
@@ -285,38 +285,21 @@ class ShmChannel(Channel):
         del self._ctl_buf[:whole]
 
 
-class ShmListener(Listener):
+class ShmListener(SocketListener):
     def __init__(self, path: str | None) -> None:
         self._dir = None if path else tempfile.mkdtemp(prefix="splitserve-shm-")
         self._path = path or os.path.join(self._dir or "", "kv.sock")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self._path)
-        self._sock.listen(LISTEN_BACKLOG)
-        self.address = f"shm://{self._path}"
-        self._closed = False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self._path)
+        super().__init__(sock, f"shm://{self._path}")
 
-    def accept(self, deadline: float) -> Channel | None:
-        if self._closed:
-            return None
-        try:
-            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
-            conn, _ = self._sock.accept()
-        except (TimeoutError, BlockingIOError, ConnectionAbortedError):
-            return None
-        except OSError:
-            if self._closed:
-                return None
-            raise  # EMFILE and friends: the caller must know (gate.py backs off)
+    def _channel(self, conn: socket.socket) -> Channel:
         return ShmChannel(conn)
-
-    def fileno(self) -> int | None:
-        return None if self._closed else self._sock.fileno()
 
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        close_socket(self._sock)
+        super().close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         else:

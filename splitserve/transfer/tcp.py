@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from splitserve.errors import TransferRejected, TransferTimeout, TruncatedTransfer
-from splitserve.transfer.transport import (LISTEN_BACKLOG, Buffer, Channel, Listener,
+from splitserve.transfer.transport import (Buffer, Channel, Listener, SocketListener,
                                            Transport, close_socket, register_transport,
                                            remaining)
 
@@ -114,37 +114,17 @@ class TcpChannel(Channel):
         return False  # the end of the stream, or bytes nobody asked for
 
 
-class TcpListener(Listener):
+class TcpListener(SocketListener):
     def __init__(self, host: str, port: int) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(LISTEN_BACKLOG)
-        bound_host, bound_port = self._sock.getsockname()[:2]
-        self.address = f"tcp://{bound_host}:{bound_port}"
-        self._closed = False
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        bound_host, bound_port = sock.getsockname()[:2]
+        super().__init__(sock, f"tcp://{bound_host}:{bound_port}")
 
-    def accept(self, deadline: float) -> Channel | None:
-        if self._closed:
-            return None
-        try:
-            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
-            conn, _ = self._sock.accept()
-        except (TimeoutError, BlockingIOError, ConnectionAbortedError):
-            return None
-        except OSError:
-            if self._closed:
-                return None  # closed from another thread
-            raise  # EMFILE and friends: the caller must know (gate.py backs off)
+    def _channel(self, conn: socket.socket) -> Channel:
         return TcpChannel(conn)
-
-    def fileno(self) -> int | None:
-        return None if self._closed else self._sock.fileno()
-
-    def close(self) -> None:
-        self._closed = True
-        close_socket(self._sock)
 
 
 class TcpTransport(Transport):

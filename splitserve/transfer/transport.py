@@ -115,6 +115,41 @@ class Listener(ABC):
         """Stops accepting; idempotent. Channels already accepted stay open."""
 
 
+class SocketListener(Listener):
+    """A listener over a bound, listening stream socket (tcp, and shm's Unix socket):
+    `accept` waits on it until the deadline and wraps the connection in `_channel`."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        sock.listen(LISTEN_BACKLOG)
+        self._sock, self.address = sock, address
+        self._closed = False
+
+    @abstractmethod
+    def _channel(self, conn: socket.socket) -> Channel:
+        """The transport's channel over an accepted connection."""
+
+    def accept(self, deadline: float) -> Channel | None:
+        if self._closed:
+            return None
+        try:
+            self._sock.settimeout(max(0.0, deadline - time.monotonic()))
+            conn, _ = self._sock.accept()
+        except (TimeoutError, BlockingIOError, ConnectionAbortedError):
+            return None
+        except OSError:
+            if self._closed:
+                return None  # closed from another thread
+            raise  # EMFILE and friends: the caller must know (gate.py backs off)
+        return self._channel(conn)
+
+    def fileno(self) -> int | None:
+        return None if self._closed else self._sock.fileno()
+
+    def close(self) -> None:
+        self._closed = True
+        close_socket(self._sock)
+
+
 class Transport(ABC):
     """A way to move bytes between engines (`inproc`, `shm`, `tcp`, ...)."""
     name: str
