@@ -11,9 +11,10 @@ where they go, read off the server's own log (the local runtime):
                                                     # rounds interleaved (A/B, same run)
 
 `--baseline` takes a checkout of this repository (e.g. `git worktree add ../old <commit>`)
-run with this virtualenv; its kernels build once on its first start. Each setup starts
-once untimed first (the default layout measures its cost curves on a machine that has
-none cached, ~1 min). Rounds alternate the order of the trees.
+run with this virtualenv; its kernels build once on its first start. Each tree has a profile
+cache of its own for the run (two versions of the code may key or store curves
+differently). Each setup starts once untimed first (the default layout measures its cost
+curves there, ~1 min). Rounds alternate the order of the trees.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import datetime as dt
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,14 +79,17 @@ def main() -> None:
     if args.baseline:
         trees["baseline"] = os.path.abspath(args.baseline)
     rows = []
-    for setup, flags in SETUPS.items():
-        for tree in trees.values():
-            start_once(flags, tree)  # untimed: kernels built, curves cached, files in cache
+    caches = tempfile.mkdtemp(prefix="splitserve-startup-")
+    for setup, setup_flags in SETUPS.items():
+        flags = {name: (*setup_flags, "--profile-cache", os.path.join(caches, f"{i}.json"))
+                 for i, name in enumerate(trees)}
+        for name, tree in trees.items():
+            start_once(flags[name], tree)  # untimed: kernels built, curves cached
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):
             order = list(trees.items())
             for name, tree in (order if r % 2 == 0 else order[::-1]):
-                runs[name].append(start_once(flags, tree))
+                runs[name].append(start_once(flags[name], tree))
                 time.sleep(2)  # the stopped server's memory handed back
         base = median([x["total"] for x in runs.get("baseline", [])] or [0.0])
         for name, got in runs.items():

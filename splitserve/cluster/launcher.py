@@ -17,8 +17,9 @@ from splitserve.cluster.frontend.dispatcher import Dispatcher
 from splitserve.cluster.frontend.recovery import KVFailurePolicy, RetryPolicy
 from splitserve.cluster import protocol as P
 from splitserve.cluster.planner.actuator import Actuator, Applied, PlannerMode
-from splitserve.cluster.planner.auto_layout import (publish_layout, resolve_layout,
-                                                    router_costs, router_tpot_slo_s)
+from splitserve.cluster.planner.auto_layout import (check_measured_engine, publish_layout,
+                                                    resolve_layout, router_costs,
+                                                    router_tpot_slo_s)
 from splitserve.cluster.planner.layout import LayoutChoice
 from splitserve.cluster.planner.load_time import LoadTimes, ModelLoad
 from splitserve.cluster.planner.model import (Decision, Observation, PlannerConfig,
@@ -97,6 +98,7 @@ class Cluster:
         except BaseException:
             await self.stop()
             raise
+        await asyncio.to_thread(check_measured_engine, cfg, resolved, dispatcher.table.fingerprint)
         self._watch = asyncio.create_task(self._watch_loop(), name="cluster-watch")
         if cfg.planner != "off":
             self.actuator = self._make_actuator()

@@ -1,6 +1,7 @@
 """`splitserve serve` with no --mode (auto, the default) as a real process: it measures
 this machine's cost curves (an empty cache), starts the layout it chose, says which and
-why in its log, /metrics and /admin/health, and serves."""
+why in its log, /metrics and /admin/health, and serves; the frontend itself never loads
+torch; curves cached for an engine the workers do not run are dropped."""
 from __future__ import annotations
 
 import json
@@ -52,3 +53,21 @@ def test_the_default_mode_measures_chooses_and_serves(start_server: Any,
                                      extra_body={"ignore_eos": True})
     assert done.usage is not None and done.usage.completion_tokens == 8
     assert done.choices[0].text
+
+    # The frontend ran no model (the profile child and the workers did): no torch in it.
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
+    assert "measured on another engine" not in server.log_path.read_text()
+
+    # Curves that name another engine than the one the workers register with (as if the
+    # kernels had stopped building here): this start still serves the layout they chose,
+    # says so, and drops them, so that the next start measures again.
+    data = json.loads(cache.read_text())
+    for entry in data["entries"].values():
+        entry["fingerprint"] = "0" * 32
+    cache.write_text(json.dumps(data))
+    again = start_server("--profile-cache", str(cache), "--workload-hint", "256:64",
+                         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20))
+    assert again.get_json("/admin/health")["layout"]["layout"] == layout["layout"]
+    assert "measured on another engine (fingerprint 0000" in again.log_path.read_text()
+    assert json.loads(cache.read_text())["entries"] == {}

@@ -1,10 +1,13 @@
 """--mode auto's cost curves: measured on the real default model in a child process (a
-short plan), cached by key, read back without measuring, measured again when the key
-changes; failures are typed and bounded by a deadline."""
+short plan), cached by a key read without torch with the measured engine's fingerprint,
+read back without measuring, measured again when the key changes, dropped when the
+workers run another engine; failures are typed and bounded by a deadline."""
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +16,8 @@ from typing import Any
 import pytest
 
 from splitserve.cluster.planner import profile
+from splitserve.cluster.planner.auto_layout import ResolvedLayout, check_measured_engine
+from splitserve.cluster.planner.layout import LayoutChoice, Shape
 from splitserve.cluster.planner.profile_run import measure_decode
 from splitserve.cluster.planner.profile import (CostCurves, ProfileCache, ProfilePlan,
                                                 cached_curves, fit_curves, measure_curves,
@@ -27,8 +32,17 @@ SHORT = ProfilePlan(prefill_tokens=(32, 128, 256), prefill_repeats=1,
 ARGS = ServeConfig(max_model_len=512).engine_args()  # the default model, as served
 
 
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    """The engine a 1-thread worker of ARGS runs (what the profiling child measures)."""
+    args = {k: v for k, v in ARGS.items() if k != "num_threads"}
+    model = args.pop("model", None)
+    assert model is None or isinstance(model, str)
+    return LLMEngine(EngineConfig.from_kwargs(model, **args, num_threads=1))
+
+
 def test_curves_are_measured_once_then_read_from_the_cache(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: LLMEngine) -> None:
     path = tmp_path / "profiles.json"
     first = cached_curves(ARGS, [1], cache_path=path, plan=SHORT)[1]
     # Measured: costs grow with the prompt and with the batch, none is free.
@@ -37,10 +51,12 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     # A step reads every token of its context: a step of 4 sequences after ~500-token
     # prompts costs more than after 16 (SHORT caps decode_context_tokens at max_model_len).
     assert 0 < first.decode_per_context_s < first.decode(1) / 100
+    # The entry names the engine measured: the one a worker of these settings runs.
+    assert first.fingerprint == engine.fingerprint
     key = profile_key(ARGS, 1)
-    assert key.batch_invariant in (True, False) and key.dtype == "bfloat16"
     [entry] = json.loads(path.read_text())["entries"].values()
-    assert (entry["key"]["threads"], entry["key"]["fingerprint"]) == (1, key.fingerprint)
+    assert entry["key"] == {**json.loads(key.cache_id), "threads": 1}
+    assert entry["fingerprint"] == engine.fingerprint
     assert entry["decode_per_context_s"] == first.decode_per_context_s
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
@@ -63,8 +79,13 @@ def test_curves_are_measured_once_then_read_from_the_cache(
     assert calls == [[1]] and len(ProfileCache(path).load()) == 2
     assert cached_curves(ARGS, [1, 2], cache_path=path) == {1: other, 2: other}
     assert calls == [[1], [2]]  # only the count it lacked
-    # Another dtype is another key too.
-    assert profile_key({**ARGS, "dtype": "float32"}, 1).fingerprint != key.fingerprint
+    # Other settings are other keys too.
+    for change in ({"dtype": "float32"}, {"batch_invariant": False}, {"block_size": 32},
+                   {"quantization": "int8"}):
+        assert profile_key({**ARGS, **change}, 1) != key, change
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "avx2")  # the kernels capped at another ISA
+    assert profile_key(ARGS, 1) != key
+    monkeypatch.delenv("SPLITSERVE_CPU_ISA")
     # And other engine code (a faster kernel) is another key: its curves are measured anew.
     assert key.code == profile.engine_code_digest() and len(key.code) == 16
     assert ProfileCache(path).get(replace(key, code="0" * 16)) is None
@@ -94,7 +115,7 @@ def test_the_cpu_key_tells_apart_one_model_with_other_isas(tmp_path: Path) -> No
     assert wide == "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16)"
     assert narrow == "AMD EPYC (family 25 model 17; avx2 fma)"
     assert profile.cpu_model(str(tmp_path / "missing")) != ""  # the platform's answer
-    key = profile.ProfileKey("f", "bfloat16", True, 1, wide, 512, None)
+    key = profile.ProfileKey("w", "{}", 1, wide, "{}")
     assert key.cache_id != replace(key, cpu_model=narrow).cache_id
 
 
@@ -116,12 +137,48 @@ def test_the_code_digest_follows_the_engine_sources(tmp_path: Path, monkeypatch)
 def test_a_broken_cache_file_is_an_empty_cache(tmp_path: Path) -> None:
     path = tmp_path / "profiles.json"
     path.write_text("{not json")
-    key = profile.ProfileKey("f", "bfloat16", True, 1, "cpu", 512, 1000.0)
+    key = profile.ProfileKey("w", "{}", 1, "cpu", "{}")
     cache = ProfileCache(path)
     assert cache.load() == {} and cache.get(key) is None
-    curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0), 3e-6)
+    curves = CostCurves(Quadratic(0.1, 0.002, 1e-7), Quadratic(0.02, 0.001, 0.0), 3e-6, "f")
     cache.put({key: curves})
     assert cache.get(key) == curves and cache.get(replace(key, threads=2)) is None
+
+
+def test_the_key_is_read_without_loading_torch() -> None:
+    """The frontend looks the curves up and runs no model: torch would be ~1.2 s of every
+    start and ~200 MB of its memory."""
+    code = ("import sys\n"
+            "from splitserve.cluster.planner.profile import profile_key\n"
+            "from splitserve.config import ServeConfig\n"
+            "key = profile_key(ServeConfig().engine_args(), 1)\n"
+            "assert key.weights and key.code, key\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_curves_of_another_engine_are_dropped_once_the_workers_tell(tmp_path: Path) -> None:
+    """The workers' fingerprint against the entries the layout came from: equal, nothing
+    happens; another (the kernels no longer build here, say), that key's entries go at
+    every thread count, another key's stay."""
+    path = tmp_path / "profiles.json"
+    config = ServeConfig(mode="agg", profile_cache=str(path))
+    base = profile_key(config.engine_args(), 0)
+    other = replace(base, cpu_model="Another CPU")
+    curves = CostCurves(Quadratic(0.1, 0.002, 0.0), Quadratic(0.02, 0.001, 0.0), 0.0, "f1")
+    cache = ProfileCache(path)
+    cache.put({replace(base, threads=1): curves, replace(base, threads=2): curves,
+               replace(other, threads=1): curves})
+    resolved = ResolvedLayout(config, LayoutChoice(Shape.AGG, 0, 1, None, "never", "given"),
+                              measured=frozenset({"f1"}))
+    assert check_measured_engine(config, resolved, "f1")
+    assert check_measured_engine(config, resolved, None)  # no worker told
+    assert check_measured_engine(config, resolved._replace(measured=frozenset()), "f2")
+    assert len(cache.load()) == 3
+    assert not check_measured_engine(config, resolved, "f2")
+    assert [e["key"]["cpu_model"] for e in cache.load().values()] == ["Another CPU"]
 
 
 def test_timings_that_fit_no_curve_are_refused() -> None:
@@ -177,16 +234,12 @@ def test_measuring_has_a_deadline() -> None:
         measure_curves(ARGS, [0], plan=SHORT)
 
 
-def test_decode_passes_alternate_so_a_slow_phase_lands_on_other_batches() -> None:
+def test_decode_passes_alternate_so_a_slow_phase_lands_on_other_batches(
+        engine: LLMEngine) -> None:
     """CI once saw batch 1 at 30-32 ms, batch 2 at 29, batch 4 at 22 in one ascending pass
     (a slow phase of the VM over its first ~0.3 s): no curve fits. The second pass runs
     the batches descending, so the phase would have to return at its end to slow batch 1
     again; each batch's fastest step counts."""
-    args = {k: v for k, v in ARGS.items() if k != "num_threads"}
-    model = args.pop("model", None)
-    assert model is None or isinstance(model, str)
-    engine = LLMEngine(EngineConfig.from_kwargs(model, **args,
-                                                num_threads=1))
     samples = measure_decode(engine, random.Random(0), [1, 2, 4], SHORT)
     assert [n for n, _ in samples] == [1, 1, 2, 2, 4, 4, 4, 4, 2, 2, 1, 1]
     assert all(0 < seconds < 2 for _, seconds in samples)

@@ -22,7 +22,8 @@ When measuring fails (or passes its deadline) the former default, disagg, serves
 the reason says why. A layout not chosen here still hands the router this machine's
 curves as its priors when an earlier start measured them (the profile cache; nothing is
 measured for it): a decode worker of an explicit mixed layout would otherwise judge its
-local prefills by a constant prior (router_costs).
+local prefills by a constant prior (router_costs). Once the workers register, the launcher
+checks that those curves were measured on the engine they run (check_measured_engine).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from splitserve.cluster.planner.capacity import Curves
 from splitserve.cluster.planner.layout import (LayoutChoice, Shape, SLOTarget, WorkloadHint,
                                                at_context, candidate_threads, choose_layout,
                                                default_slo)
-from splitserve.cluster.planner.profile import CostCurves, cached_curves, cached_only
+from splitserve.cluster.planner.profile import (CostCurves, ProfileCache, cached_curves,
+                                                cached_only, default_cache_path, profile_key)
 from splitserve.cluster.router.cost_model import CostModelConfig
 from splitserve.config import ServeConfig
 from splitserve.errors import LayoutProfileError, ModelLoadError
@@ -61,6 +63,8 @@ class ResolvedLayout(NamedTuple):
     # One worker's measured curves at the chosen width, at the hint's mean context (None:
     # nothing measured); the router's priors (router_costs).
     curves: Curves | None = None
+    # The model fingerprints of the engines measured for the curves used ("": unknown).
+    measured: frozenset[str] = frozenset()
 
 
 def _measured(engine_args: Mapping[str, Any], threads: Sequence[int],
@@ -80,7 +84,12 @@ def resolve_layout(config: ServeConfig, curves: CurvesSource = _measured,
     profile.PROFILE_TIMEOUT_S at most): run it off the event loop."""
     resolved = _resolve(config, curves, cores)
     if resolved.curves is None:
-        resolved = resolved._replace(curves=_priors(resolved.config, cached, cores))
+        found = _priors(resolved.config, cached, cores)
+        if found is not None:
+            hint = WorkloadHint(*config.workload_tokens)
+            resolved = resolved._replace(
+                curves=at_context({0: _curves(found, config)}, hint)[0],
+                measured=frozenset({found.fingerprint}))
     logger.info("layout: %s, --disagg-policy %s (%s)", resolved.choice.label,
                 resolved.choice.disagg_policy, resolved.choice.reason)
     return resolved
@@ -154,7 +163,33 @@ def _resolve(config: ServeConfig, curves: CurvesSource, cores: int | None) -> Re
     width = at_context(by_threads, hint)[choice.threads_per_worker or min(by_threads)]
     return ResolvedLayout(replace(config, mode=choice.layout.value, prefill=choice.num_prefill,
                                   decode=choice.num_decode,
-                                  disagg_policy=choice.disagg_policy), choice, width)
+                                  disagg_policy=choice.disagg_policy), choice, width,
+                          frozenset(c.fingerprint for c in found.values()))
+
+
+def check_measured_engine(config: ServeConfig, resolved: ResolvedLayout,
+                          fingerprint: str | None) -> bool:
+    """Once the workers registered (`fingerprint`: their model fingerprint, None when none
+    told): whether the curves behind the layout and the router's priors were measured on
+    the engine they run. When not (the exact kernels stopped building here, say, and the
+    engine fell back to the fast path), that key's cache entries are dropped, so the next
+    start measures again, and a warning says so."""
+    stale = {f for f in resolved.measured if f and f != fingerprint}
+    if fingerprint is None or not stale:
+        return True
+    cache = ProfileCache(Path(config.profile_cache) if config.profile_cache
+                         else default_cache_path())
+    try:
+        dropped = cache.drop(profile_key(config.engine_args(), 0))
+    except (ModelLoadError, OSError, ValueError) as exc:
+        dropped, why = 0, f" (not dropped: {exc})"
+    else:
+        why = ""
+    logger.warning("the layout's cost curves were measured on another engine (fingerprint "
+                   "%s) than the workers run (%s): %d cache entries dropped%s; the next "
+                   "start measures again", ", ".join(sorted(stale)), fingerprint, dropped,
+                   why)
+    return False
 
 
 
@@ -163,11 +198,10 @@ def _curves(found: CostCurves, config: ServeConfig) -> Curves:
                   decode_per_context_s=found.decode_per_context_s)
 
 
-def _priors(config: ServeConfig, cached: CachedSource, cores: int | None) -> Curves | None:
-    """A layout not chosen here: its decode workers' cached curves at the hint's context,
-    as specs.worker_specs sizes them (their cores, or --threads-per-worker); None on a
-    Ray cluster (other machines), under the planner (it resizes the workers), or when
-    none are cached."""
+def _priors(config: ServeConfig, cached: CachedSource, cores: int | None) -> CostCurves | None:
+    """A layout not chosen here: its decode workers' cached curves, as specs.worker_specs
+    sizes them (their cores, or --threads-per-worker); None on a Ray cluster (other
+    machines), under the planner (it resizes the workers), or when none are cached."""
     if config.runtime != "local" or config.planner != "off":
         return None
     if config.worker_cores is not None:
@@ -180,14 +214,10 @@ def _priors(config: ServeConfig, cached: CachedSource, cores: int | None) -> Cur
         threads = max(1, (cores or len(os.sched_getaffinity(0))) // workers)
     cache = Path(config.profile_cache) if config.profile_cache else None
     try:
-        found = cached(config.engine_args(), config.threads_per_worker or threads, cache)
+        return cached(config.engine_args(), config.threads_per_worker or threads, cache)
     except (ModelLoadError, OSError, ValueError) as exc:  # the workers will say it, in full
         logger.debug("no cached curves for the router's priors: %s", exc)
         return None
-    if found is None:
-        return None
-    hint = WorkloadHint(*config.workload_tokens)
-    return at_context({0: _curves(found, config)}, hint)[0]
 
 
 def _slo(config: ServeConfig, curves: Mapping[int, Curves],

@@ -4,15 +4,21 @@ measured on a real engine in a child process pinned like a worker (profile_run.p
 fitted by the router's own cost models (router/cost_model.py), then cached in a JSON
 file so that later starts on the same machine, model and settings measure nothing.
 
-A cache entry is keyed by what decides the timings: the model fingerprint (weights, KV
-dtype, block size, kernels), the dtype, batch invariance, the threads, the CPU (model and
-the ISA it exposes) and the prefill chunk (max_num_batched_tokens, max_step_ms). The key
-is derived here the way the engine derives its fingerprint, and the child checks that its
-engine agrees, so a key can never hold another engine's curves.
+A cache entry is keyed by what decides the timings, read without loading torch (the
+frontend, which looks the curves up, runs no model: torch would be ~1.2 s of every start
+and ~200 MB of its memory): the model's weights, the engine settings (device, dtype,
+quantization, batch invariance, block size, the prefill chunk), the threads, the CPU
+(model and the ISA it exposes), what else picks the kernels' ISA or a GPU (the ISA caps in
+the environment, torch's build, a GPU driver) and the engine's code. The entry keeps the
+model fingerprint of the engine measured (kernels included, as the engine resolves them);
+once the workers register, the launcher compares theirs and drops the entries of a key
+whose engine is not the one serving (auto_layout.check_measured_engine), so the next start
+measures again.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -34,8 +40,9 @@ from splitserve.errors import LayoutProfileError
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_PROFILE_CACHE"
-CACHE_VERSION = 4  # 2: the decode step's cost per token of context; 3: out of cache;
-# 4: that cost against short steps of the same batch measured beside it (a noisy fit gave 0)
+CACHE_VERSION = 5  # 2: the decode step's cost per token of context; 3: out of cache;
+# 4: that cost against short steps of the same batch measured beside it (a noisy fit gave 0);
+# 5: keys read without torch, the engine's fingerprint in the entry
 # The child loads the model (~10 s on 2 cores, more the first time the exact kernels
 # are built) and measures for ~5 s per thread count on an idle machine: far inside this.
 PROFILE_TIMEOUT_S = 240.0
@@ -78,13 +85,11 @@ class ProfilePlan:
 
 @dataclass(frozen=True)
 class ProfileKey:
-    fingerprint: str
-    dtype: str
-    batch_invariant: bool
+    weights: str  # the checkpoint's weights digest
+    settings: str  # the engine settings that decide a step's time, as JSON
     threads: int
     cpu_model: str
-    max_num_batched_tokens: int
-    max_step_ms: float | None
+    platform: str  # what else picks the kernels' ISA or a GPU (platform_marks)
     # Digest of the engine's and the model's code (engine_code_digest): a faster kernel
     # or runner measures again instead of reusing the old code's curves.
     code: str = ""
@@ -100,6 +105,7 @@ class CostCurves(NamedTuple):
     prefill: Quadratic  # a whole prompt of t uncached tokens (every chunk's step)
     decode: Quadratic  # one decode step over n running sequences of (almost) no context
     decode_per_context_s: float = 0.0  # what a step adds per sequence per context token
+    fingerprint: str = ""  # the model fingerprint of the engine measured ("": not known)
 
 
 # Flags that pick the kernels' code path (exact kernels: avx2 or avx512_bf16; oneDNN: AMX).
@@ -152,27 +158,41 @@ def default_cache_path() -> Path:
     return Path(root) / "splitserve" / "layout_profiles.json"
 
 
+# The environment that caps or picks the kernels' ISA (the exact kernels', ATen's,
+# oneDNN's) or hides GPUs.
+_PLATFORM_ENV = ("SPLITSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                 "CUDA_VISIBLE_DEVICES")
+
+
+def platform_marks() -> str:
+    """What picks the engine's code path besides the CPU and the settings, read without
+    loading torch: _PLATFORM_ENV, torch's build (a CUDA build or another version) and
+    whether an NVIDIA driver is loaded."""
+    try:
+        torch_build = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_build = "none"
+    env = {name: os.environ[name] for name in _PLATFORM_ENV if name in os.environ}
+    return json.dumps({"torch": torch_build, "nvidia": os.path.exists("/proc/driver/nvidia"),
+                       "env": env}, sort_keys=True, separators=(",", ":"))
+
+
 def profile_key(engine_args: Mapping[str, Any], threads: int) -> ProfileKey:
-    """The cache key of a worker with `engine_args` (WorkerSpec.engine_args) at `threads`.
-    Mirrors LLMEngine.__init__'s fingerprint; the child checks the two agree."""
-    from splitserve.engine.device import (resolve_batch_invariant, resolve_device,
-                                          resolve_dtype)
-    from splitserve.model.fingerprint import model_fingerprint
-    from splitserve.model.kernels import kernels_version
+    """The cache key of a worker with `engine_args` (WorkerSpec.engine_args) at `threads`;
+    loads no torch (the module docstring says what it holds)."""
     from splitserve.model.loader import open_checkpoint
 
     args = dict(engine_args)
     config = EngineConfig.from_kwargs(args.pop("model", None), **args)
-    ckpt = open_checkpoint(config.model)
-    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
-    invariant = resolve_batch_invariant(config, device, dtype, ckpt.spec)
-    digest = ckpt.weights_digest + (f"+{config.quantization}" if config.quantization else "")
-    kv_dtype = str(dtype).removeprefix("torch.")
-    fingerprint = model_fingerprint(ckpt.spec, kv_dtype, config.cache.block_size, digest,
-                                    kernels=kernels_version() if invariant else "default")
-    return ProfileKey(fingerprint, kv_dtype, invariant, threads, cpu_model(),
-                      config.scheduler.max_num_batched_tokens, config.scheduler.max_step_ms,
-                      engine_code_digest())
+    settings = {"device": config.device, "dtype": config.dtype,
+                "quantization": config.quantization,
+                "batch_invariant": config.batch_invariant,
+                "block_size": config.cache.block_size,
+                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                "max_step_ms": config.scheduler.max_step_ms}
+    return ProfileKey(open_checkpoint(config.model).weights_digest,
+                      json.dumps(settings, sort_keys=True, separators=(",", ":")), threads,
+                      cpu_model(), platform_marks(), engine_code_digest())
 
 
 def fit_curves(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int, float]],
@@ -239,12 +259,12 @@ def _fit_config(samples: Sequence[tuple[int, float]]) -> CostModelConfig:
 
 
 def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
-                   plan: ProfilePlan = ProfilePlan(), keys: Mapping[int, ProfileKey] | None
-                   = None, timeout_s: float = PROFILE_TIMEOUT_S) -> dict[int, CostCurves]:
+                   plan: ProfilePlan = ProfilePlan(),
+                   timeout_s: float = PROFILE_TIMEOUT_S) -> dict[int, CostCurves]:
     """Runs one child process (the model loaded once) that measures at each thread count,
     ascending, pinned to the first that many of this process's cores, as worker 0 of a
-    layout with that many threads per worker would be. `keys`: checked against the
-    child's engine. LayoutProfileError when it fails or passes `timeout_s`."""
+    layout with that many threads per worker would be; each count's curves carry the
+    child's model fingerprint. LayoutProfileError when it fails or passes `timeout_s`."""
     cores = sorted(os.sched_getaffinity(0))
     counts = sorted(set(threads))
     if not counts or counts[0] < 1 or counts[-1] > len(cores):
@@ -266,17 +286,12 @@ def measure_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
     try:
         for line in done.stdout.decode().splitlines():
             result = json.loads(line)
-            count = int(result["threads"])
-            key = (keys or {}).get(count)
-            if key is not None and (result["fingerprint"], result["batch_invariant"]) != (
-                    key.fingerprint, key.batch_invariant):
-                raise LayoutProfileError(f"the profiled engine is not the one keyed: "
-                                         f"{result['fingerprint']} vs {key.fingerprint}")
-            curves[count] = fit_curves(
+            curves[int(result["threads"])] = fit_curves(
                 [(int(t), float(s)) for t, s in result["prefill"]],
                 [(int(n), float(s)) for n, s in result["decode"]],
                 [(int(c), float(s)) for c, s in result["decode_context"]],
-                int(result["short_context"]), int(result["context_batch"]))
+                int(result["short_context"]), int(result["context_batch"]),
+            )._replace(fingerprint=str(result["fingerprint"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise LayoutProfileError(f"the profiling process answered {exc!r}") from exc
     if sorted(curves) != counts:
@@ -312,7 +327,8 @@ class ProfileCache:
         try:
             return CostCurves(Quadratic(*map(float, entry["prefill"])),  # type: ignore[index]
                               Quadratic(*map(float, entry["decode"])),  # type: ignore[index]
-                              float(entry["decode_per_context_s"]))  # type: ignore[index]
+                              float(entry["decode_per_context_s"]),  # type: ignore[index]
+                              str(entry["fingerprint"]))  # type: ignore[index]
         except (TypeError, KeyError, ValueError):
             return None  # absent or malformed: measure again
 
@@ -322,7 +338,23 @@ class ProfileCache:
             entries[key.cache_id] = {"key": asdict(key), "prefill": list(curves.prefill),
                                      "decode": list(curves.decode),
                                      "decode_per_context_s": curves.decode_per_context_s,
+                                     "fingerprint": curves.fingerprint,
                                      "measured_at": time.time()}
+        self._write(entries)
+
+    def drop(self, key: ProfileKey) -> int:
+        """Removes the entries of `key` at every thread count; how many there were."""
+        entries = self.load()
+        doomed = [cache_id for cache_id, entry in entries.items()
+                  if isinstance(entry, dict) and isinstance(entry.get("key"), dict)
+                  and {**entry["key"], "threads": key.threads} == asdict(key)]
+        for cache_id in doomed:
+            del entries[cache_id]
+        if doomed:
+            self._write(entries)
+        return len(doomed)
+
+    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # NOTE: a temporary file renamed over the old one: a reader (another server
         # starting) sees the whole old file or the whole new one, never half of either.
@@ -354,8 +386,7 @@ def cached_curves(engine_args: Mapping[str, Any], threads: Sequence[int], *,
     if missing:
         logger.info("measuring cost curves at %s threads for --mode auto (cached in %s)",
                     missing, cache.path)
-        measured = measure_curves(engine_args, missing, plan=plan, keys=keys,
-                                  timeout_s=timeout_s)
+        measured = measure_curves(engine_args, missing, plan=plan, timeout_s=timeout_s)
         try:
             cache.put({keys[t]: measured[t] for t in missing})
         except OSError as exc:  # a read-only home: measured again next start, no more
