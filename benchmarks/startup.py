@@ -40,6 +40,7 @@ SETUPS = {"disagg 1P+1D": ("--prefill", "1", "--decode", "1"),
           "agg, 2 workers": ("--mode", "agg", "--decode", "2"),
           "default (auto, curves cached)": ()}
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_LAYOUT = re.compile(r"\] layout: ([^,]+),")
 
 
 def _stamps(log: str, marker: str) -> list[float]:
@@ -53,8 +54,9 @@ def _stamps(log: str, marker: str) -> list[float]:
     return out
 
 
-def start_once(flags: tuple[str, ...], tree: str) -> dict[str, float]:
-    """One start of `splitserve serve flags` run from `tree`: total and its three parts."""
+def start_once(flags: tuple[str, ...], tree: str) -> tuple[dict[str, float], str]:
+    """One start of `splitserve serve flags` run from `tree`: total and its three parts,
+    and the layout it started (the default's is measured per tree and may differ)."""
     began, t0 = time.time(), time.monotonic()
     server = ServerProcess(*flags, cwd=tree)
     total = time.monotonic() - t0
@@ -64,8 +66,10 @@ def start_once(flags: tuple[str, ...], tree: str) -> dict[str, float]:
     started, registered = _stamps(log, "] started "), _stamps(log, "registered (pid")
     if not started or not registered:
         raise RuntimeError(f"no worker start or registration in the log:\n{log[-3000:]}")
-    return {"total": total, "frontend": started[0] - began,
-            "workers": registered[-1] - started[0], "after": ready - registered[-1]}
+    layout = _LAYOUT.search(log)
+    return ({"total": total, "frontend": started[0] - began,
+             "workers": registered[-1] - started[0], "after": ready - registered[-1]},
+            layout.group(1) if layout else "?")
 
 
 def main() -> None:
@@ -86,21 +90,24 @@ def main() -> None:
         for name, tree in trees.items():
             start_once(flags[name], tree)  # untimed: kernels built, curves cached
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+        layouts: dict[str, set[str]] = {name: set() for name in trees}
         for r in range(args.rounds):
             order = list(trees.items())
             for name, tree in (order if r % 2 == 0 else order[::-1]):
-                runs[name].append(start_once(flags[name], tree))
+                times, layout = start_once(flags[name], tree)
+                runs[name].append(times)
+                layouts[name].add(layout)
                 time.sleep(2)  # the stopped server's memory handed back
         base = median([x["total"] for x in runs.get("baseline", [])] or [0.0])
         for name, got in runs.items():
             total = median([x["total"] for x in got])
-            row = [setup, name, f"{total:.2f}"]
+            row = [setup, name, " / ".join(sorted(layouts[name])), f"{total:.2f}"]
             row += [f"{median([x[k] for x in got]):.2f}" for k in ("frontend", "workers", "after")]
             row += [f"{total / base:.3f}" if base and name != "baseline" else "",
                     " ".join(f"{x['total']:.1f}" for x in got)]
             rows.append(row)
             print(" | ".join(row), flush=True)
-    table = markdown_table(["setup", "tree", "ready s (median)", "frontend s", "workers s",
+    table = markdown_table(["setup", "tree", "layout started", "ready s (median)", "frontend s", "workers s",
                             "after s", "vs baseline", "each start s"], rows)
     body = (f"Medians of {args.rounds} starts per setup and tree"
             + (f", baseline {trees['baseline']}" if args.baseline else "") + ".\n\n" + table)
