@@ -153,10 +153,14 @@ def test_no_import_cycles() -> None:
 
 def test_the_cli_the_bench_client_and_the_http_layer_load_no_torch() -> None:
     """The package's promise (splitserve/__init__.py): light users do not pay for torch,
-    ~1.5-2 s of import and ~300 MB. `splitserve --help` and `splitserve bench` never load
-    it, nor does importing the HTTP server; the engine's users (workers, `splitserve
-    chat`) load it when they build one."""
+    ~1.2-2 s of import and ~200-300 MB. `splitserve --help` and `splitserve bench` never
+    load it, nor does importing the HTTP server, nor the layout's profile key (the
+    frontend runs no model); the engine's users (workers, `splitserve chat`) load it when
+    they build one."""
     code = ("import sys, splitserve.cli, splitserve.bench.command, splitserve.api.serve; "
+            "from splitserve.cluster.planner.profile import profile_key; "
+            "from splitserve.config import ServeConfig; "
+            "profile_key(ServeConfig().engine_args(), 1); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)
