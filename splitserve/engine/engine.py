@@ -23,7 +23,9 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.errors import InvalidRequestError, StepFailed
 from splitserve.kv_cache import BlockHash, KVCacheManager, KVEvent, root_hash
 from splitserve.model.fingerprint import model_fingerprint
-from splitserve.model.kernels import isa_name, kernels_version, use_exact_kernels_
+from splitserve.model import weight_cache
+from splitserve.model.kernels import (exact_state, isa_name, kernels_version,
+                                       use_exact_kernels_)
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import open_checkpoint
 from splitserve.model.memory import huge_page_zeros
@@ -62,10 +64,6 @@ class LLMEngine(EngineKV):
         self.dtype = resolve_dtype(config.dtype)
         ckpt = open_checkpoint(config.model)
         self.spec, self.tokenizer = ckpt.spec, ckpt.tokenizer
-        model = build_model(self.spec)
-        assert isinstance(model, LlamaForCausalLM)
-        model.load_weights(ckpt.iter_weights())
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
         weights_digest = ckpt.weights_digest
         if config.quantization is not None:
             if config.quantization not in QUANTIZATIONS:
@@ -74,8 +72,20 @@ class LLMEngine(EngineKV):
             weights_digest += f"+{config.quantization}"
         self.batch_invariant = resolve_batch_invariant(config, self.device, self.dtype,
                                                         self.spec)
-        if self.batch_invariant:  # quantized weights run here only (resolve_... says so)
-            use_exact_kernels_(self.model, config.quantization)
+        model = build_model(self.spec)
+        assert isinstance(model, LlamaForCausalLM)
+        # The exact kernels' packed weights from an earlier start, when one kept them
+        # (quantized weights run on those kernels only: resolve_... says so).
+        kept = weight_cache.cache_file(ckpt.weights_digest, config.quantization, self.dtype) \
+            if self.batch_invariant and self.device.type == "cpu" else None
+        packed = weight_cache.read(kept)
+        if packed is None:
+            model.load_weights(ckpt.iter_weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.batch_invariant:
+            use_exact_kernels_(self.model, config.quantization, packed)
+            if packed is None:
+                weight_cache.write(kept, exact_state(self.model))
         elif can_pack(self.device, self.dtype):
             pack_linears_(self.model)  # same numbers, faster GEMV: no fingerprint change
 

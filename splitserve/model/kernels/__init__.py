@@ -166,11 +166,15 @@ class ExactLinear(nn.Module):
     """y = x @ W^T (+ b) where each output element is one fixed fold over k (exact.cpp);
     with `quantization="int8"` W is int8 and the fold is multiplied by its row's scale."""
 
-    def __init__(self, linear: nn.Linear, quantization: str | None = None) -> None:
+    def __init__(self, linear: nn.Linear, quantization: str | None = None,
+                 packed: dict[str, torch.Tensor] | None = None) -> None:
+        """`packed`: the tensors state() gave for this layer (nothing is packed again)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scale: torch.Tensor | None = None
-        if quantization is None:
+        if packed is not None:
+            self.packed, self.scale = packed["packed"], packed.get("scale")
+        elif quantization is None:
             self.packed = pack_weight(linear.weight)
         elif quantization == "int8":
             q, self.scale = int8_weights(linear.weight)
@@ -178,8 +182,16 @@ class ExactLinear(nn.Module):
         else:
             raise ValueError(f"quantization {quantization!r}: the exact kernels run "
                              f"{QUANTIZATIONS} or none")
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        if packed is not None:
+            self.bias = packed.get("bias")
+        else:
+            self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self._ops = load()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Its tensors by name, as `packed` takes them back."""
+        found = {"packed": self.packed, "scale": self.scale, "bias": self.bias}
+        return {name: t for name, t in found.items() if t is not None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -194,22 +206,31 @@ class ExactLinear(nn.Module):
                 empty if self.bias is None else self.bias]
 
 
-def use_exact_kernels_(model: nn.Module, quantization: str | None = None) -> nn.Module:
+def use_exact_kernels_(model: nn.Module, quantization: str | None = None,
+                       packed: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Replaces every nn.Linear (projections and LM head) by an ExactLinear (int8 weights
     with `quantization="int8"`), in place (a tied LM head gets its own packed copy; the
     embedding keeps the plain weight), the packed weights on 2 MB pages (memory.py),
     then switches every module that has an exact path
     to it: `uses_exact_kernels = True`, and `use_exact_kernels()` called where a module
     defines it (it may build on the packed projections: the decoder stack's one-call
-    ExactDecoder)."""
-    for module in list(model.modules()):
+    ExactDecoder). `packed`: exact_state() of a model built so before (weight_cache.py):
+    its layers and parameters are taken as they are, nothing is packed."""
+    for module_name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, ExactLinear(child, quantization))
+                prefix = f"{module_name}.{child_name}." if module_name else f"{child_name}."
+                mine = None if packed is None else {
+                    k.removeprefix(prefix): t for k, t in packed.items() if k.startswith(prefix)}
+                setattr(module, child_name, ExactLinear(child, quantization, mine))
+    if packed is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(packed[name])
     # every packed weight in one mapping of 2 MB pages, in the order a step reads them
     linears = [m for m in model.modules() if isinstance(m, ExactLinear)]
-    for linear, packed in zip(linears, huge_page_copies([m.packed for m in linears])):
-        linear.packed = packed
+    for linear, copy in zip(linears, huge_page_copies([m.packed for m in linears])):
+        linear.packed = copy
     for module in model.modules():
         if hasattr(module, "uses_exact_kernels"):
             setattr(module, "uses_exact_kernels", True)
@@ -217,6 +238,15 @@ def use_exact_kernels_(model: nn.Module, quantization: str | None = None) -> nn.
         if callable(switch):
             switch()
     return model
+
+
+def exact_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's weights after use_exact_kernels_ packed them, by name (every
+    ExactLinear's state() and every parameter), for `use_exact_kernels_(packed=...)`."""
+    state = {f"{name}.{key}": t for name, m in model.named_modules()
+             if isinstance(m, ExactLinear) for key, t in m.state().items()}
+    state.update((name, p.detach()) for name, p in model.named_parameters())
+    return state
 
 
 def exact_decoder(tensors: list[torch.Tensor], ends: list[torch.Tensor], hidden: int,
