@@ -76,7 +76,8 @@ class LLMEngine(EngineKV):
         assert isinstance(model, LlamaForCausalLM)
         # The exact kernels' packed weights from an earlier start, when one kept them
         # (quantized weights run on those kernels only: resolve_... says so).
-        kept = weight_cache.cache_file(ckpt.weights_digest, config.quantization, self.dtype) \
+        kept = weight_cache.cache_file(ckpt.weights_digest, self.spec, config.quantization,
+                                       self.dtype) \
             if self.batch_invariant and self.device.type == "cpu" else None
         packed = weight_cache.read(kept)
         if packed is None:

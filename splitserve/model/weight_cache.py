@@ -7,11 +7,13 @@ exact_state) to one safetensors file; later starts read it instead (a few tenths
 second) and hand it to `use_exact_kernels_(packed=...)`. A restarted worker, one the
 planner adds and every `splitserve serve` start after the first get there that much sooner.
 
-A file is named by what decides its bytes: the checkpoint's weights digest, the
-quantization, the dtype, torch's version and a digest of the Python that builds and packs
-the weights (splitserve/model/*.py and the kernels' package). Writing one removes the
-files of the same checkpoint that another version of those wrote (a code change makes a
-new one; they are ~330 MB for the default model). Each file carries an xxh3 digest of its
+A file is named by what decides its bytes: the checkpoint's weights digest, its model spec
+(a config may tie the LM head to weights it leaves as they are), the quantization, the
+dtype, the versions of torch, gguf and numpy (the dequantization's code) and a digest of
+the Python that builds and packs the weights (splitserve/model/*.py and the kernels'
+package). Writing one removes the
+files of the same checkpoint, quantization and dtype that another version of the rest
+wrote (a code change makes a new one; they are ~330 MB for the default model). Each file carries an xxh3 digest of its
 tensors, checked at every read: a file that fails it, or does not parse, is ignored (and
 rewritten by that start). Writes go to a temporary file renamed over the name, so a
 reader sees a whole file or none.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import tempfile
@@ -33,24 +36,25 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from splitserve.model.spec import ModelSpec
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SPLITSERVE_WEIGHT_CACHE"
 _DIGEST_KEY = "xxh3_128"
 
 
-def cache_file(weights_digest: str, quantization: str | None,
+def cache_file(weights_digest: str, spec: ModelSpec, quantization: str | None,
                dtype: torch.dtype) -> Path | None:
-    """Where the packed weights of this checkpoint, quantization and dtype live; None when
-    the cache is off."""
+    """Where the packed weights of this checkpoint, spec, quantization and dtype live; None
+    when the cache is off."""
     setting = os.environ.get(CACHE_ENV, "")
     if setting == "off":
         return None
     root = Path(setting) if setting else Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitserve" / "weights"
-    build = hashlib.blake2b(f"{quantization}|{dtype}|{torch.__version__}|{_code_digest()}"
-                            .encode(), digest_size=8).hexdigest()
-    return root / f"{weights_digest}-{build}.safetensors"
+    build = hashlib.blake2b(f"{spec!r}|{_code_digest()}".encode(), digest_size=8).hexdigest()
+    return root / f"{_kind(weights_digest, quantization, dtype)}-{build}.safetensors"
 
 
 def read(path: Path | None) -> dict[str, torch.Tensor] | None:
@@ -88,12 +92,17 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        weights_digest = path.name.split("-", 1)[0]
-        for old in path.parent.glob(f"{weights_digest}-*.safetensors"):
+        kind = path.name.rsplit("-", 1)[0]
+        for old in path.parent.glob(f"{kind}-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
     except (OSError, SafetensorError) as exc:  # a read-only or full disk: packed again
         logger.warning("cannot keep the packed weights in %s: %s", path, exc)
+
+
+def _kind(weights_digest: str, quantization: str | None, dtype: torch.dtype) -> str:
+    """The part of a file's name its replacements share."""
+    return f"{weights_digest}-{quantization or 'none'}-{str(dtype).removeprefix('torch.')}"
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -107,9 +116,12 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 @functools.cache
 def _code_digest() -> str:
-    """blake2b over the Python that builds and packs the weights (splitserve/model)."""
+    """blake2b over the Python that builds and packs the weights (splitserve/model) and the
+    versions of the libraries under it."""
     root = Path(__file__).resolve().parent
     h = hashlib.blake2b(digest_size=8)
+    for package in ("torch", "gguf", "numpy", "safetensors"):
+        h.update(f"{package}=={importlib.metadata.version(package)}\0".encode())
     for path in sorted([*root.glob("*.py"), *(root / "kernels").glob("*.py")]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()

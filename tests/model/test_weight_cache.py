@@ -1,9 +1,11 @@
 """The exact kernels' packed weights kept on disk (model/weight_cache.py): what is read back
 is what was packed, bit for bit (a model built from it has the packed model's every
 tensor, and the real engine generates the same tokens from it); a damaged file is
-ignored; a new build's file replaces the old one of the same checkpoint only."""
+ignored; a new build's file replaces the old one of the same checkpoint, quantization and
+dtype only."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,7 @@ def test_a_model_built_from_kept_weights_has_the_packed_models_every_tensor(
     # Another model of the spec (other numbers): built from them, it is the packed one.
     rebuilt = kernels.use_exact_kernels_(_model(2), quantization, kept)
     _assert_same(kernels.exact_state(rebuilt), state)
-    assert rebuilt.model.exact_decoder is not None
+    assert getattr(rebuilt.model, "exact_decoder") is not None  # built on them
 
 
 def test_a_damaged_or_missing_file_is_ignored(tmp_path: Path) -> None:
@@ -74,22 +76,27 @@ def test_a_damaged_or_missing_file_is_ignored(tmp_path: Path) -> None:
     assert weight_cache.read(path) is not None
 
 
-def test_a_new_build_replaces_only_its_own_checkpoints_file(
+def test_a_new_build_replaces_only_the_file_of_its_checkpoint_and_kind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(weight_cache.CACHE_ENV, str(tmp_path))
-    path = weight_cache.cache_file("abc", None, torch.bfloat16)
+    path = weight_cache.cache_file("abc", SPEC, None, torch.bfloat16)
     assert path is not None and path.parent == tmp_path and path.name.startswith("abc-")
     # Whatever decides the bytes names another file.
-    assert weight_cache.cache_file("abc", "int8", torch.bfloat16) != path
-    assert weight_cache.cache_file("abc", None, torch.float32) != path
-    assert weight_cache.cache_file("xyz", None, torch.bfloat16) != path
-    for name in ("abc-0000000000000000", "abc-1111111111111111", "xyz-0000000000000000"):
-        (tmp_path / f"{name}.safetensors").write_bytes(b"old")
+    untied = replace(SPEC, tie_word_embeddings=False)
+    for other in (("abc", SPEC, "int8", torch.bfloat16), ("abc", SPEC, None, torch.float32),
+                  ("xyz", SPEC, None, torch.bfloat16), ("abc", untied, None, torch.bfloat16)):
+        assert weight_cache.cache_file(*other) != path, other
+    int8 = weight_cache.cache_file("abc", SPEC, "int8", torch.bfloat16)
+    assert int8 is not None
+    older = [path.with_name(path.name.rsplit("-", 1)[0] + f"-{n}.safetensors")
+             for n in ("0000000000000000", "1111111111111111")]
+    others = [int8, path.with_name(path.name.replace("abc-", "xyz-"))]
+    for old in older + others:
+        old.write_bytes(b"old")
     weight_cache.write(path, {"w": torch.ones(4, dtype=torch.bfloat16)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        path.name, "xyz-0000000000000000.safetensors"]
+    assert sorted(tmp_path.iterdir()) == sorted([path, *others])
     monkeypatch.setenv(weight_cache.CACHE_ENV, "off")
-    assert weight_cache.cache_file("abc", None, torch.bfloat16) is None
+    assert weight_cache.cache_file("abc", SPEC, None, torch.bfloat16) is None
 
 
 def test_the_engine_from_kept_weights_generates_what_the_engine_packed_afresh_does(
