@@ -75,8 +75,9 @@ def read(path: Path | None) -> dict[str, torch.Tensor] | None:
 
 
 def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
-    """Writes `tensors` to `path` (nothing when None) and removes the files that other
-    code wrote for the same checkpoint; a failure is logged, never raised."""
+    """Writes `tensors` to `path` (nothing when None) and removes the files another build
+    wrote for the same checkpoint, quantization and dtype; a failure is logged, never
+    raised."""
     if path is None:
         return
     # NOTE: copies: the packed weights are views of one huge-page buffer, which
