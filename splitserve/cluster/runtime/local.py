@@ -41,10 +41,18 @@ class LocalRuntime(Runtime):
         return WorkerHandle(spec, handle.pid)
 
     def stop_worker(self, handle: WorkerHandle, timeout_s: float = 10.0) -> None:
+        proc = self._procs.get(handle.spec.identity)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        self._reap(handle, timeout_s)
+
+    def _reap(self, handle: WorkerHandle, timeout_s: float) -> None:
+        """Waits for a signalled worker to exit, without signalling it again: a second
+        SIGTERM that lands while its interpreter shuts down (Python has put the default
+        handler back by then) would kill it mid-exit."""
         proc = self._procs.pop(handle.spec.identity, None)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -67,7 +75,7 @@ class LocalRuntime(Runtime):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for handle in handles:
-            self.stop_worker(handle, timeout_s)
+            self._reap(handle, timeout_s)
 
 
 def _worker_env(spec: WorkerSpec) -> dict[str, str]:

@@ -69,6 +69,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stopping", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(worker, "stopping", True))
     worker.run()
+    # Stopped: a later SIGTERM (the runtime's, the dead parent's) must not kill the exit
+    # (Python puts back the default action of a handled signal while it shuts down).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 
