@@ -8,7 +8,7 @@ deadline) or corrupted (completed with another output). Lost and corrupted must 
 At the end every worker's KV pool must pass its invariant check and hold nothing.
 
     python benchmarks/soak.py [--duration-s 180] [--rate 1.0] [--fault-every-s 12] [--quick]
-                              [--layout disagg|mixed]
+                              [--layout disagg|mixed] [--log FILE]
 
 `--layout disagg` (the default): 1 prefill + 2 decode workers, one thread each, every
 prompt prefilled remotely. `--layout mixed`: what `splitserve serve` picks for long prompts
@@ -101,6 +101,7 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
     faults: Counter[str] = Counter()
     latencies: list[float] = []
     errors: list[str] = []
+    timeline: list[str] = []  # what happened when, in seconds from the start (--log)
 
     async def one(c: openai.AsyncOpenAI, i: int) -> None:
         prompt, sampling = pool[i]
@@ -117,6 +118,7 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
             errors.append(f"{type(exc).__name__}: {str(exc)[:160]}")
             return
         latencies.append(time.monotonic() - t0)
+        timeline.append(f"{t0 - start:8.2f} request {i} took {latencies[-1]:.2f} s")
         outcomes["completed" if text == expected[i] else "corrupted"] += 1
 
     async def inject_faults(stop_at: float) -> None:
@@ -129,8 +131,10 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
             targets = [w["id"] for w in workers if w["role"] == role and w["healthy"]]
             if not targets:
                 continue
-            await asyncio.to_thread(arm, server, rng.choice(targets), **spec)
+            target = rng.choice(targets)
+            await asyncio.to_thread(arm, server, target, **spec)
             faults[label] += 1
+            timeline.append(f"{time.monotonic() - start:8.2f} fault on {target}: {label}")
 
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
                                   max_retries=0, timeout=args.request_deadline_s) as c:
@@ -147,7 +151,8 @@ async def soak(server: Any, args: argparse.Namespace, pool: list[tuple[str, dict
         for task in pending:
             task.cancel()
     return {"sent": len(tasks), "outcomes": outcomes, "faults": faults, "errors": errors,
-            "latencies": latencies, "wall_s": time.monotonic() - start}
+            "latencies": latencies, "wall_s": time.monotonic() - start,
+            "timeline": sorted(timeline)}
 
 
 def main() -> int:
@@ -160,6 +165,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="40 s, no docs written")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="disagg")
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
+    ap.add_argument("--log", help="write the timeline (faults, each request's E2E) and the "
+                    "server's log to this file")
     args = ap.parse_args()
     if args.quick:
         args.duration_s, args.fault_every_s = 40.0, 8.0
@@ -172,6 +179,7 @@ def main() -> int:
     flags, num_workers, described = LAYOUTS[args.layout]
     server = ServerProcess(*flags, *COMMON)
     monitor = CpuMonitor().start()
+    result: dict[str, Any] = {"timeline": []}
     try:
         result = asyncio.run(soak(server, args, pool, expected))
         try:
@@ -184,6 +192,9 @@ def main() -> int:
                      "worker_restarts")}
     finally:
         server.stop()
+        if args.log:
+            with open(args.log, "w") as f:
+                f.write("\n".join(result["timeline"]) + "\n\n" + server.log())
     others = monitor.stop()
     out, lat = result["outcomes"], sorted(result["latencies"])
     rows = [["requests sent", result["sent"]],
