@@ -194,7 +194,8 @@ def main() -> int:
         server.stop()
         if args.log:
             with open(args.log, "w") as f:
-                f.write("\n".join(result["timeline"]) + "\n\n" + server.log())
+                f.write("\n".join(result["timeline"]) + "\n\n"
+                        + server.log_path.read_text(errors="replace"))
     others = monitor.stop()
     out, lat = result["outcomes"], sorted(result["latencies"])
     rows = [["requests sent", result["sent"]],

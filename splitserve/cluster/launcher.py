@@ -224,10 +224,14 @@ class Cluster:
         its place after a backoff (`restart_backoff_s`, doubling to 30 s while it keeps
         dying within a minute), as a supervisor (systemd, Kubernetes) would restart it.
         Every restart is counted (splitserve_worker_restarts_total). A worker that exits
-        before it ever registered is not restarted: it would fail the same way again."""
+        before it ever registered is not restarted: it would fail the same way again.
+        One the frontend removed (silent past its heartbeat deadline) but whose process
+        lives on is told to exit when it next speaks (fencing); still there a heartbeat
+        deadline later, it is hung and never will: it is killed, and restarted as above."""
         dispatcher = self.dispatcher
         assert dispatcher is not None
         restart_at: dict[str, float] = {}  # worker id -> when its restart is due
+        removed_at: dict[bytes, float] = {}  # identity -> when seen removed, yet alive
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
@@ -240,9 +244,17 @@ class Cluster:
                         self._restart(wid)
                     continue
                 if self.runtime.is_alive(handle):
-                    if now - self._started.get(wid, 0.0) > STABLE_AFTER_S:
-                        self._failures.pop(wid, None)
-                    continue
+                    if not self._is_removed(spec):
+                        if now - self._started.get(wid, 0.0) > STABLE_AFTER_S:
+                            self._failures.pop(wid, None)
+                        continue
+                    since = removed_at.setdefault(spec.identity, now)
+                    if now - since < self.config.deadlines.heartbeat_timeout_s:
+                        continue
+                    logger.warning("%s was removed %.0f s ago and has not exited (hung); "
+                                   "killing it", wid, now - since)
+                    self.runtime.stop_worker(handle, timeout_s=0.0)
+                removed_at.pop(spec.identity, None)
                 dispatcher.mark_dead(spec.identity, "exited")
                 dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
                 if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
@@ -253,6 +265,12 @@ class Cluster:
                 delay = restart_delay(self.config.ray.restart_backoff_s, n)
                 restart_at[wid] = now + delay
                 logger.warning("%s exited; restarting it in %.1f s", wid, delay)
+
+    def _is_removed(self, spec: WorkerSpec) -> bool:
+        """Registered once, since removed by the frontend (dead to it, alive or not)."""
+        table = self.dispatcher.table if self.dispatcher is not None else None
+        return (table is not None and spec.identity in table.seen
+                and table.get(spec.identity) is None)
 
     def _restart(self, worker_id: str) -> None:
         assert self.dispatcher is not None

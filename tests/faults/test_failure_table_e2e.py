@@ -10,9 +10,9 @@ SIGTERM drain (same file), admission limits (tests/api/test_serving_policies_e2e
 """
 from __future__ import annotations
 
-from typing import Any
-
+import os
 import urllib.error
+from typing import Any
 
 import pytest
 
@@ -212,6 +212,30 @@ def test_partitioned_decode_worker_is_fenced(cluster: Any, offline: LLM) -> None
     assert metric(cluster, "splitserve_fenced_messages_total") > fenced
     incarnation = [w["incarnation"] for w in workers if w["id"] == victim][0]
     assert not incarnation.endswith(":1"), workers
+    assert_pools_clean(cluster, NUM_WORKERS)
+
+
+def test_hung_decode_worker_is_killed_and_replaced(cluster: Any, offline: LLM) -> None:
+    """A decode worker hangs for good (a 10-minute stall: it will never hear it was
+    fenced): removed at its heartbeat deadline, its request resumes elsewhere; still alive
+    a deadline later, it is killed and a new incarnation takes its place (the pool keeps
+    its size, the cores come back)."""
+    restarts = metric(cluster, "splitserve_worker_restarts_total")
+    stream = client(cluster).completions.create(
+        model=model(cluster), prompt=PROMPT, max_tokens=48, stream=True, temperature=0,
+        extra_body={"ignore_eos": True})
+    text, victim, pid = [], "", 0
+    for i, chunk in enumerate(stream):
+        text.append(chunk.choices[0].text if chunk.choices else "")
+        if i == 3:
+            victim = worker_holding_a_request(cluster, "decode")
+            pid = [w["pid"] for w in cluster.workers() if w["id"] == victim][0]
+            arm(cluster, victim, kind="stall", point="now", seconds=600)
+    assert "".join(text) == expected(offline, PROMPT, 48, GREEDY)
+    workers = wait_healthy(cluster, NUM_WORKERS)
+    assert not os.path.exists(f"/proc/{pid}"), f"the hung worker (pid {pid}) lives on"
+    assert [w["pid"] for w in workers if w["id"] == victim] != [pid], workers
+    assert metric(cluster, "splitserve_worker_restarts_total") > restarts
     assert_pools_clean(cluster, NUM_WORKERS)
 
 

@@ -56,8 +56,9 @@ class LocalRuntime(Runtime):
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0f s; killing it", handle.spec.worker_id,
-                           timeout_s)
+            if timeout_s:
+                logger.warning("%s did not stop within %.0f s; killing it",
+                               handle.spec.worker_id, timeout_s)
             proc.kill()
             proc.wait(5)
             return
