@@ -78,8 +78,10 @@ CLUSTER_ALLOWED = {
     "frontend": {"protocol", "router", "auth"},
     "planner": {"protocol", "router"},  # pure sizing logic + its actuator (through Pools)
     "specs": {"auth", "protocol", "runtime", "worker"},  # the launcher's worker specs
+    # keeps the workers running: restarts, kills the hung (the launcher's own handles)
+    "supervisor": {"runtime", "frontend", "planner"},
     "launcher": {"codec", "protocol", "auth", "router", "frontend", "worker", "runtime",
-                 "planner", "specs"},
+                 "planner", "specs", "supervisor"},
     "__init__": set(),
 }
 

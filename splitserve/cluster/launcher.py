@@ -1,5 +1,5 @@
 """Brings a cluster up and down: the dispatcher, the router and the worker processes that
-`ServeConfig` asks for, started through a Runtime and watched while they run.
+`ServeConfig` asks for, started through a Runtime and kept running by the Supervisor.
 
 Each worker incarnation gets its own control-plane keypair (cluster/auth.py), registered
 with the frontend under its identity before it starts and revoked once it exited: only
@@ -30,21 +30,12 @@ from splitserve.cluster.router.cost_model import DecodeStepModel, PrefillCostMod
 from splitserve.cluster.router.router import Router, RouterConfig
 from splitserve.cluster.runtime import Runtime, WorkerHandle, get_runtime
 from splitserve.cluster.specs import store_key, store_options, worker_specs
+from splitserve.cluster.supervisor import WATCH_PERIOD_S, Supervisor
 from splitserve.cluster.worker.lending import remove_leases
 from splitserve.cluster.worker.spec import WorkerSpec
 from splitserve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
-
-WATCH_PERIOD_S = 0.5
-MAX_RESTART_BACKOFF_S = 30.0
-STABLE_AFTER_S = 60.0  # a restarted worker alive this long resets its backoff
-
-
-def restart_delay(base_s: float, failures: int) -> float:
-    """The wait before restarting a worker that died `failures` times in a row before."""
-    return min(MAX_RESTART_BACKOFF_S, base_s * 2 ** min(failures, 16))
-
 
 def _fitted(model: PrefillCostModel | DecodeStepModel) -> Quadratic | None:
     """A worker's own fitted curve; None while it answers with the pooled one or a prior."""
@@ -63,9 +54,7 @@ class Cluster:
         self.layout: LayoutChoice | None = None  # what --mode resolved to, and why
         self._plan: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._failures: dict[str, int] = {}  # worker id -> restarts in a row
-        self._started: dict[str, float] = {}  # worker id -> when its restart started
-        self._load_times = LoadTimes()  # start -> registered, for the planner
+        self.load_times = LoadTimes()  # start -> registered, for the planner and supervisor
 
     async def start(self) -> Dispatcher:
         # --mode auto may measure the engine first (seconds): off the event loop.
@@ -99,7 +88,8 @@ class Cluster:
             await self.stop()
             raise
         await asyncio.to_thread(check_measured_engine, cfg, resolved, dispatcher.table.fingerprint)
-        self._watch = asyncio.create_task(self._watch_loop(), name="cluster-watch")
+        supervisor = Supervisor(self.handles, self.runtime, dispatcher, cfg, self.load_times)
+        self._watch = asyncio.create_task(supervisor.run(), name="cluster-watch")
         if cfg.planner != "off":
             self.actuator = self._make_actuator()
             self._plan = asyncio.create_task(self.actuator.run(), name="planner")
@@ -161,8 +151,8 @@ class Cluster:
         for handle in self.handles:
             info = self.dispatcher.table.by_id.get(handle.spec.worker_id)
             if info is not None and info.identity == handle.spec.identity:
-                self._load_times.registered(info.identity, info.joined)
-        return self._load_times.estimate(self.config.planner_model_load_s)
+                self.load_times.registered(info.identity, info.joined)
+        return self.load_times.estimate(self.config.planner_model_load_s)
 
     def _on_decision(self, decision: Decision, applied: list[Applied]) -> None:
         assert self.dispatcher is not None
@@ -203,7 +193,7 @@ class Cluster:
             if spec.worker_id not in adopt:
                 if spec.worker_id in found:  # a new incarnation of a different shape
                     spec = replace(spec, epoch=found[spec.worker_id].epoch + 1)
-                self._load_times.started(spec.identity, time.monotonic())
+                self.load_times.started(spec.identity, time.monotonic())
                 self.handles.append(self.runtime.start_worker(spec, link.enroll(spec.identity)))
 
     async def _wait_registered(self, num: int) -> None:
@@ -217,74 +207,6 @@ class Cluster:
                 raise RuntimeError(f"workers {dead} exited while starting; see their log")
             await asyncio.wait({waiting}, timeout=WATCH_PERIOD_S)
         waiting.result()
-
-    async def _watch_loop(self) -> None:
-        """A worker that exits (process or actor, or its node) is dead at once (no need to
-        wait for heartbeats); with `restart_workers`, a new incarnation (epoch + 1) takes
-        its place after a backoff (`restart_backoff_s`, doubling to 30 s while it keeps
-        dying within a minute), as a supervisor (systemd, Kubernetes) would restart it.
-        Every restart is counted (splitserve_worker_restarts_total). A worker that exits
-        before it ever registered is not restarted: it would fail the same way again.
-        One the frontend removed (silent past its heartbeat deadline) but whose process
-        lives on is told to exit when it next speaks (fencing); still there a heartbeat
-        deadline later, it is hung and never will: it is killed, and restarted as above."""
-        dispatcher = self.dispatcher
-        assert dispatcher is not None
-        restart_at: dict[str, float] = {}  # worker id -> when its restart is due
-        removed_at: dict[bytes, float] = {}  # identity -> when seen removed, yet alive
-        while True:
-            await asyncio.sleep(WATCH_PERIOD_S)
-            now = time.monotonic()
-            for handle in list(self.handles):
-                spec = handle.spec
-                wid = spec.worker_id
-                if wid in restart_at:
-                    if now >= restart_at[wid]:
-                        del restart_at[wid]
-                        self._restart(wid)
-                    continue
-                if self.runtime.is_alive(handle):
-                    if not self._is_removed(spec):
-                        if now - self._started.get(wid, 0.0) > STABLE_AFTER_S:
-                            self._failures.pop(wid, None)
-                        continue
-                    since = removed_at.setdefault(spec.identity, now)
-                    if now - since < self.config.deadlines.heartbeat_timeout_s:
-                        continue
-                    logger.warning("%s was removed %.0f s ago and has not exited (hung); "
-                                   "killing it", wid, now - since)
-                    self.runtime.stop_worker(handle, timeout_s=0.0)
-                removed_at.pop(spec.identity, None)
-                dispatcher.mark_dead(spec.identity, "exited")
-                dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
-                if not self.config.restart_workers or spec.identity not in dispatcher.table.seen:
-                    continue
-                self.runtime.stop_worker(handle)  # reaps the exited process or actor
-                n = self._failures.get(wid, 0)
-                self._failures[wid] = n + 1
-                delay = restart_delay(self.config.ray.restart_backoff_s, n)
-                restart_at[wid] = now + delay
-                logger.warning("%s exited; restarting it in %.1f s", wid, delay)
-
-    def _is_removed(self, spec: WorkerSpec) -> bool:
-        """Registered once, since removed by the frontend (dead to it, alive or not)."""
-        table = self.dispatcher.table if self.dispatcher is not None else None
-        return (table is not None and spec.identity in table.seen
-                and table.get(spec.identity) is None)
-
-    def _restart(self, worker_id: str) -> None:
-        assert self.dispatcher is not None
-        i = next((i for i, h in enumerate(self.handles) if h.spec.worker_id == worker_id), None)
-        if i is None:  # drained meanwhile
-            return
-        spec = self.handles[i].spec
-        new = replace(spec, epoch=spec.epoch + 1)
-        self._load_times.started(new.identity, time.monotonic())
-        self.handles[i] = self.runtime.start_worker(new, self.dispatcher.link.enroll(
-            new.identity))
-        self._started[worker_id] = time.monotonic()
-        self.dispatcher.metrics.worker_restarts.labels(worker_id).inc()
-        logger.warning("restarted %s as epoch %d", worker_id, new.epoch)
 
     # -- resizing pools (the planner's actuator; POST /admin/workers, /admin/drain) ----------
     def add_worker(self, role: Role) -> str:
@@ -301,7 +223,7 @@ class Cluster:
                        store=store_options(self.config.store, f"{role.value}-{index}"),
                        engine_args=self._thread_share(template))
         spec = replace(spec, epoch=self._next_epoch(spec.worker_id, 1))
-        self._load_times.started(spec.identity, time.monotonic())
+        self.load_times.started(spec.identity, time.monotonic())
         self.handles.append(self.runtime.start_worker(spec, self.dispatcher.link.enroll(
             spec.identity)))
         logger.info("added %s", spec.worker_id)
@@ -375,7 +297,7 @@ class Cluster:
                            f"{sorted(h.spec.worker_id for h in self.handles)}")
         if worker_id not in self.dispatcher.table.by_id:  # still starting: nothing to move
             self.handles.remove(handle)
-            self._load_times.forget(handle.spec.identity)
+            self.load_times.forget(handle.spec.identity)
             self.dispatcher.link.revoke(handle.spec.identity)
             await asyncio.to_thread(self.runtime.stop_worker, handle)
             logger.info("stopped %s before it registered", worker_id)

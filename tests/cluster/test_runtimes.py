@@ -37,7 +37,7 @@ def test_the_local_runtime_finds_nothing_to_adopt() -> None:
 
 
 def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
-    from splitserve.cluster.launcher import MAX_RESTART_BACKOFF_S, restart_delay
+    from splitserve.cluster.supervisor import MAX_RESTART_BACKOFF_S, restart_delay
     assert [restart_delay(1.0, n) for n in range(4)] == [1.0, 2.0, 4.0, 8.0]
     assert restart_delay(1.0, 10) == restart_delay(1.0, 10_000) == MAX_RESTART_BACKOFF_S
     assert restart_delay(0.0, 3) == 0.0
