@@ -305,7 +305,7 @@ class Cluster:
         report: dict[str, object] = {**await self.dispatcher.drain(worker_id, timeout_s)}
         # What it holds now, by its own check (nothing, unless requests stayed).
         report["pool"] = (await self.dispatcher.admin.check_pools()).get(worker_id)
-        self.handles.remove(handle)  # before it exits: the watch loop must not restart it
+        self.handles.remove(handle)  # before it exits: the supervisor must not restart it
         self.dispatcher.mark_dead(handle.spec.identity, "was drained")
         await asyncio.to_thread(self.runtime.stop_worker, handle)
         logger.info("drained %s: %s", worker_id, report)
