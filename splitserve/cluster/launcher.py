@@ -47,6 +47,7 @@ class Cluster:
         self.config = config
         self.runtime = runtime or get_runtime(config)
         self.handles: list[WorkerHandle] = []
+        self.retired: list[WorkerHandle] = []  # drained, or exited for good (supervisor.py)
         self.dispatcher: Dispatcher | None = None
         self.adopted: list[str] = []  # worker ids taken over from a previous frontend
         self.actuator: Actuator | None = None
@@ -88,7 +89,8 @@ class Cluster:
             await self.stop()
             raise
         await asyncio.to_thread(check_measured_engine, cfg, resolved, dispatcher.table.fingerprint)
-        supervisor = Supervisor(self.handles, self.runtime, dispatcher, cfg, self.load_times)
+        supervisor = Supervisor(self.handles, self.runtime, dispatcher, cfg, self.load_times,
+                                self.retired)
         self._watch = asyncio.create_task(supervisor.run(), name="cluster-watch")
         if cfg.planner != "off":
             self.actuator = self._make_actuator()
@@ -297,6 +299,7 @@ class Cluster:
                            f"{sorted(h.spec.worker_id for h in self.handles)}")
         if worker_id not in self.dispatcher.table.by_id:  # still starting: nothing to move
             self.handles.remove(handle)
+            self.retired.append(handle)  # its lease files go at stop
             self.load_times.forget(handle.spec.identity)
             self.dispatcher.link.revoke(handle.spec.identity)
             await asyncio.to_thread(self.runtime.stop_worker, handle)
@@ -306,6 +309,7 @@ class Cluster:
         # What it holds now, by its own check (nothing, unless requests stayed).
         report["pool"] = (await self.dispatcher.admin.check_pools()).get(worker_id)
         self.handles.remove(handle)  # before it exits: the supervisor must not restart it
+        self.retired.append(handle)
         self.dispatcher.mark_dead(handle.spec.identity, "was drained")
         await asyncio.to_thread(self.runtime.stop_worker, handle)
         logger.info("drained %s: %s", worker_id, report)
@@ -318,5 +322,6 @@ class Cluster:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await asyncio.to_thread(self.runtime.shutdown, self.handles)
-        remove_leases({p for handle in self.handles for p in handle.spec.leases})
+        remove_leases({p for handle in [*self.handles, *self.retired]
+                       for p in handle.spec.leases})
         self.handles = []

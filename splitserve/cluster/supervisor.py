@@ -14,7 +14,10 @@ An exited worker is dead at once (no need to wait for heartbeats). With
 `restart_workers`, a new incarnation (epoch + 1) takes its place after a backoff
 (`restart_backoff_s`, doubling to 30 s while it keeps dying within a minute of its start);
 every restart is counted (splitserve_worker_restarts_total). A worker that exits before it
-ever registered is not restarted: it would fail the same way again. A removed worker whose
+ever registered is not restarted: it would fail the same way again. A worker not
+restarted (that, or --no-restart-workers) is retired: its handle leaves the cluster's list
+(into `retired`), so the planner sees the pool short, not a worker forever warming, and
+a worker added later does not share cores with a dead one. A removed worker whose
 process lives on is told to exit when it next speaks (fencing, frontend/workers.py); one
 that never speaks again is hung, and without the kill it would keep its cores while the
 pool stays a worker short for good. Likewise a start that never registers: the cluster's
@@ -75,9 +78,10 @@ class Supervisor:
     first); `load_times` says when each worker not yet registered was started."""
 
     def __init__(self, handles: list[WorkerHandle], runtime: Runtime, dispatcher: Dispatcher,
-                 config: ServeConfig, load_times: LoadTimes) -> None:
+                 config: ServeConfig, load_times: LoadTimes,
+                 retired: list[WorkerHandle]) -> None:
         self.handles, self.runtime, self.dispatcher = handles, runtime, dispatcher
-        self.config, self.load_times = config, load_times
+        self.config, self.load_times, self.retired = config, load_times, retired
         self._failures: dict[str, int] = {}  # worker id -> restarts in a row
         self._started: dict[str, float] = {}  # worker id -> when its restart started
         self._restart_at: dict[str, float] = {}  # worker id -> when its restart is due
@@ -121,9 +125,14 @@ class Supervisor:
             self.load_times.forget(spec.identity)  # a start that will never register
         self.dispatcher.mark_dead(spec.identity, "exited")
         self.dispatcher.link.revoke(spec.identity)  # registered or not: it is gone
-        if not self.config.restart_workers or not registered_once:
-            return
         self.runtime.stop_worker(handle)  # reaps the exited process or actor
+        if not self.config.restart_workers or not registered_once:
+            self.handles.remove(handle)
+            self.retired.append(handle)
+            logger.error("%s exited and is not restarted (%s)", spec.worker_id,
+                         "--no-restart-workers" if registered_once
+                         else "it never registered")
+            return
         n = self._failures.get(spec.worker_id, 0)
         self._failures[spec.worker_id] = n + 1
         delay = restart_delay(self.config.ray.restart_backoff_s, n)

@@ -3,6 +3,8 @@ every interval from what the cluster measured, reports each decision with its re
 (/admin/health, /metrics) and changes nothing, under no load and under a burst."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -53,6 +55,28 @@ def test_advisory_planner_reports_decisions_and_acts_on_none(start_server: Any) 
     # Advisory: whatever it advised, nothing was applied and no worker changed.
     assert 'result="applied"' not in text and busy["applied"] == []
     assert {w["id"]: w["pid"] for w in server.workers()} == before
+
+
+def test_a_worker_gone_for_good_leaves_the_planners_view(start_server: Any) -> None:
+    """With --no-restart-workers a decode worker that exits is not replaced: the planner
+    then sees one decode worker, not two with one warming up for ever (which would hold
+    off every scale-up and curve correction)."""
+    server = start_server("--prefill", "1", "--decode", "2", "--planner", "advisory",
+                          "--planner-interval-s", "1", "--slo-ttft-ms", "2000",
+                          "--slo-tpot-ms", "100", "--no-restart-workers")
+    _view(server, "1P+2D, 0 warming")  # each registered a model load ago
+    victim = next(w for w in server.workers() if w["id"] == "decode-1")
+    os.kill(int(victim["pid"]), signal.SIGKILL)
+    _view(server, "1P+1D, 0 warming")
+    assert "decode-1 exited and is not restarted" in server.log()
+
+
+def _view(server: Any, text: str, timeout_s: float = 60.0) -> None:
+    """Until a planner decision's first reason (what it measured) contains `text`."""
+    deadline, seen = time.monotonic() + timeout_s, ""
+    while text not in seen:
+        assert time.monotonic() < deadline, f"planner still sees: {seen}"
+        seen = _decision(server, time.monotonic() + 1)["reasons"][0]
 
 
 def _steps(server: Any, kind: str, result: str = "applied") -> float:

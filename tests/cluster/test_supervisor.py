@@ -81,17 +81,19 @@ class _Dispatcher:
         self.dead.append(identity)
 
 
-def _supervised(registered: bool) -> tuple[Supervisor, _Runtime, _Dispatcher, WorkerSpec]:
+def _supervised(registered: bool, restart: bool = True
+                ) -> tuple[Supervisor, _Runtime, _Dispatcher, WorkerSpec]:
     spec = WorkerSpec(role=Role.DECODE, index=0, epoch=2, frontend_address="tcp://x:1",
                       engine_args={})
     runtime, dispatcher, load_times = _Runtime(alive={spec.identity}), _Dispatcher(), LoadTimes()
     load_times.started(spec.identity, 0.0)
     if registered:
         dispatcher.table.seen.add(spec.identity)  # and since removed (not in .workers)
-    config = ServeConfig(mode="agg", decode=1, deadlines=DeadlineConfig(
-        heartbeat_timeout_s=HEARTBEAT, worker_start_timeout_s=START))
+    config = ServeConfig(mode="agg", decode=1, restart_workers=restart,
+                         deadlines=DeadlineConfig(heartbeat_timeout_s=HEARTBEAT,
+                                                  worker_start_timeout_s=START))
     supervisor = Supervisor([WorkerHandle(spec, 0)], runtime, dispatcher,  # type: ignore[arg-type]
-                            config, load_times)
+                            config, load_times, retired=[])
     return supervisor, runtime, dispatcher, spec
 
 
@@ -100,12 +102,25 @@ def test_a_start_that_never_registers_is_killed_at_its_deadline_and_not_restarte
     supervisor.tick(START - 1)
     assert runtime.stops == [] and dispatcher.link.revoked == []
     supervisor.tick(START + 1)
-    assert runtime.stops == [("decode-0", 0.0)]  # killed at once, not asked
+    assert runtime.stops[0] == ("decode-0", 0.0)  # killed at once, not asked to stop
     assert dispatcher.link.revoked == [spec.identity] and spec.identity not in runtime.alive
     assert spec.identity not in supervisor.load_times.pending  # never a load-time sample
+    # Retired: the planner must not count it as a worker warming up for ever.
+    assert supervisor.handles == [] and [h.spec for h in supervisor.retired] == [spec]
     for now in (START + 2, START + 100):
         supervisor.tick(now)
     assert runtime.starts == []  # it would hang the same way again
+
+
+def test_without_restarts_an_exited_worker_is_retired() -> None:
+    supervisor, runtime, dispatcher, spec = _supervised(registered=True, restart=False)
+    supervisor.tick(1.0)
+    assert supervisor.handles and not supervisor.retired  # removed but alive: fencing's turn
+    runtime.alive.clear()  # it heard it was fenced and exited
+    supervisor.tick(2.0)
+    assert supervisor.handles == [] and [h.spec for h in supervisor.retired] == [spec]
+    supervisor.tick(100.0)
+    assert runtime.starts == [] and spec.identity in dispatcher.dead
 
 
 def test_a_removed_worker_that_lives_on_is_killed_a_heartbeat_later_and_restarted() -> None:
@@ -115,6 +130,8 @@ def test_a_removed_worker_that_lives_on_is_killed_a_heartbeat_later_and_restarte
     assert runtime.stops == []
     supervisor.tick(10.0 + HEARTBEAT)
     assert runtime.stops[0] == ("decode-0", 0.0) and spec.identity in dispatcher.dead
+    assert supervisor.retired == []  # restarted below, not retired
     supervisor.tick(10.0 + HEARTBEAT + ServeConfig().ray.restart_backoff_s)
     assert runtime.starts == ["decode-0:3"]  # the next incarnation
+    assert [h.spec.identity for h in supervisor.handles] == [b"decode-0:3"]
     assert dispatcher.metrics.worker_restarts.labels("decode-0")._value.get() == 1
