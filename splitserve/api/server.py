@@ -159,7 +159,9 @@ class OpenAIRoutes:
         once the request is placed, so the response's head is on the wire during the
         prefill rather than after it (as vLLM's; its first chunk still waits for the first
         token, streaming.sse_events); later errors are events."""
-        logger.info("%s: %d prompt tokens, max_tokens=%s, stream=%s, tenant=%s",
+        # DEBUG: a line before the dispatch costs every request ~0.1 ms of its TTFT (its
+        # end is logged at INFO by the response builder, its arrival by the access log).
+        logger.debug("%s: %d prompt tokens, max_tokens=%s, stream=%s, tenant=%s",
                     request.url.path, len(generate.prompt_token_ids),
                     generate.params.max_tokens, stream, generate.tenant)
         deltas = self.backend.generate(generate)

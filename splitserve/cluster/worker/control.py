@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import zmq
 
@@ -36,25 +37,25 @@ class FrontendSocket:
         secret.connect(self.sock)
         self.sock.connect(address)
         self.num_dropped = 0  # frames that were not a message
+        self._poller_fds: tuple[int, ...] = ()
+        self._poll = zmq.Poller()
 
     def receive(self, timeout_s: float, wake_fds: Sequence[int] = ()) -> list[P.Message]:
         """Every message pending, waiting up to `timeout_s` for the first or for one of
         `wake_fds` (transfer.wakeup.Wakeup) to become readable."""
         if timeout_s > 0 and wake_fds:
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            for fd in wake_fds:
-                poller.register(fd, zmq.POLLIN)
-            if self.sock not in dict(poller.poll(int(timeout_s * 1000))):
+            if self.sock not in dict(self._poller(tuple(wake_fds)).poll(int(timeout_s * 1000))):
                 return []
         elif not self.sock.poll(int(timeout_s * 1000)):
             return []
         out: list[P.Message] = []
-        while True:
+        # Read while ZeroMQ says a frame waits: asked, not learnt from recv's Again (an
+        # exception raised and caught every turn, on the way to each request's step).
+        while cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return out
+                break
             try:
                 if len(frames) != 1:
                     raise ValueError(f"{len(frames)} frames, not one")
@@ -63,6 +64,16 @@ class FrontendSocket:
                 self.num_dropped += 1
                 logger.warning("dropped a frame from the frontend: %s: %s",
                                type(exc).__name__, str(exc)[:300])
+        return out
+
+    def _poller(self, wake_fds: tuple[int, ...]) -> zmq.Poller:
+        """The poller over the socket and `wake_fds`, made again only when they change."""
+        if wake_fds != self._poller_fds:
+            self._poller_fds, self._poll = wake_fds, zmq.Poller()
+            self._poll.register(self.sock, zmq.POLLIN)
+            for fd in wake_fds:
+                self._poll.register(fd, zmq.POLLIN)
+        return self._poll
 
     def send(self, msg: P.Message) -> bool:
         """False when the frontend did not take it within the send timeout (gone)."""
