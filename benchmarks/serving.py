@@ -51,9 +51,10 @@ from benchmarks.common import (DEFAULT_OUTPUT, CpuMonitor, busy_processes,  # no
                                descendants, machine_description, markdown_table, median,
                                write_section)
 
-# --prompt-tokens sets the env var, so the engine's child process reads the same length.
+# --prompt-tokens sets the env var, so the engine's child process reads the same length;
+# benchmarks/serving_floor.py sets both.
 PROMPT_TOKENS = int(os.environ.get("SPLITSERVE_BENCH_PROMPT_TOKENS", "512"))
-OUTPUT_TOKENS = 64
+OUTPUT_TOKENS = int(os.environ.get("SPLITSERVE_BENCH_OUTPUT_TOKENS", "64"))
 
 
 def prompt_ids(rep: int) -> list[int]:

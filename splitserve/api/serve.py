@@ -84,7 +84,7 @@ class ClusterBackend:
         return self.dispatcher.metrics.tiers.tenant_usage(tenant)
 
 
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn, minus its signal handling: uvicorn re-raises SIGTERM/SIGINT after its own
     shutdown, which would kill this process before it stops the workers. `serve` installs
     handlers that ask the server to exit and then stops the cluster itself."""
@@ -118,7 +118,7 @@ async def serve(config: ServeConfig) -> None:
     try:
         info = model_info(config, dispatcher.max_model_len)
         app = build_app(ClusterBackend(cluster, info), config.http)
-        server = _Server(uvicorn_config(
+        server = UvicornServer(uvicorn_config(
             app, config.http, host=config.host, port=config.port,
             log_config=log_config(config.log_level.upper()),
             timeout_graceful_shutdown=math.ceil(config.drain_timeout_s)))
