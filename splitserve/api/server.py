@@ -162,8 +162,8 @@ class OpenAIRoutes:
         # DEBUG: a line before the dispatch costs every request ~0.1 ms of its TTFT (its
         # end is logged at INFO by the response builder, its arrival by the access log).
         logger.debug("%s: %d prompt tokens, max_tokens=%s, stream=%s, tenant=%s",
-                    request.url.path, len(generate.prompt_token_ids),
-                    generate.params.max_tokens, stream, generate.tenant)
+                     request.url.path, len(generate.prompt_token_ids),
+                     generate.params.max_tokens, stream, generate.tenant)
         deltas = self.backend.generate(generate)
         try:
             if not stream:
