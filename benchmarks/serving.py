@@ -232,6 +232,26 @@ class Served:
         self.server.stop()
 
 
+def run_rounds(setups: dict[str, Setup], instance: int, rounds: int,
+               runs: dict[str, list[Timing]]) -> None:
+    """One start of every setup: `rounds` rounds (after a warm-up one, not recorded), each
+    setup in turn with the others paused, an unmeasured request then the measured one
+    (appended to `runs[name]`); stops every setup at the end."""
+    try:
+        for rnd in range(-1, rounds):
+            for name, setup in setups.items():
+                for other in setups.values():  # only the measured setup is awake
+                    other.pause(other is not setup)
+                seed = instance * 1000 + rnd
+                setup.run(seed + 500)  # unmeasured: the measured request runs warm
+                timing = setup.run(seed + 100)
+                if rnd >= 0:
+                    runs.setdefault(name, []).append(timing)
+    finally:
+        for setup in setups.values():
+            setup.stop()
+
+
 def main() -> int:
     global PROMPT_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -294,19 +314,7 @@ def main() -> int:
         if peer is not None:
             from benchmarks.serving_vllm import vllm_setups
             setups.update(vllm_setups(peer, instance))
-        try:
-            for rep in range(-1, reps):  # -1: warm-up round, not recorded
-                for name, setup in setups.items():
-                    for other in setups.values():  # only the measured setup is awake
-                        other.pause(other is not setup)
-                    seed = instance * 1000 + rep
-                    setup.run(seed + 500)  # unmeasured: the measured request runs warm
-                    timing = setup.run(seed + 100)
-                    if rep >= 0:
-                        runs.setdefault(name, []).append(timing)
-        finally:
-            for setup in setups.values():
-                setup.stop()
+        run_rounds(setups, instance, reps, runs)
     others = monitor.stop()
     rows = []
     for name, timings in runs.items():

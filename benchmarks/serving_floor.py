@@ -210,19 +210,7 @@ def main() -> int:
         setups: dict[str, serving.Setup] = {
             ENGINE: serving.OfflineEngine(2, [0, 1]), FLOOR: FloorServer(),
             AGG: serving.Served(["--mode", "agg", "--max-model-len", "2048"])}
-        try:
-            for rnd in range(-1, rounds):  # -1: warm-up, not recorded
-                for name, setup in setups.items():
-                    for other in setups.values():
-                        other.pause(other is not setup)
-                    seed = instance * 1000 + rnd
-                    setup.run(seed + 500)  # unmeasured: the measured request runs warm
-                    timing = setup.run(seed + 100)
-                    if rnd >= 0:
-                        runs.setdefault(name, []).append(timing)
-        finally:
-            for setup in setups.values():
-                setup.stop()
+        serving.run_rounds(setups, instance, rounds, runs)
     others = monitor.stop()
     base = runs[ENGINE]
     rows = [[ENGINE, f"{median([t.ttft_s for t in base]) * 1e3:.1f}", "-", "-"]]

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 from benchmarks import serving  # noqa: E402
-from benchmarks.common import descendants  # noqa: E402
+from benchmarks.common import descendants, pid_alive  # noqa: E402
 from benchmarks.serving_floor import FloorServer  # noqa: E402
 
 
@@ -30,14 +30,7 @@ def test_floor_server_streams_and_stops_clean(monkeypatch: pytest.MonkeyPatch) -
     assert server.proc.returncode == 0  # uvicorn's SIGTERM re-raise would make it -15
     # multiprocessing's resource tracker leaves when its pipe closes, a moment later
     deadline = time.monotonic() + 10
-    while [p for p in processes if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in processes if pid_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in processes if _alive(p)]
+    assert not [p for p in processes if pid_alive(p)]
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

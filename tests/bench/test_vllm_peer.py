@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks import vllm_peer as peer  # noqa: E402
+from benchmarks.common import pid_alive  # noqa: E402
 from splitserve.api.serve import DEFAULT_MODEL_NAME  # noqa: E402
 from splitserve.bench.errors import BenchSetupError  # noqa: E402
 from splitserve.config import ServeConfig  # noqa: E402
@@ -193,14 +194,6 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "report.json"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _children_cpu_s() -> float:
     t = os.times()
     return t.children_user + t.children_system
@@ -220,15 +213,15 @@ def test_server_pinned_waits_for_models_and_stops_its_group(
             assert json.loads(r.read())["data"][0]["id"] == "m"
         report = json.loads(fake_vllm.read_text())
         assert report["cores"] == [core] and report["bind"] == "auto"
-        assert _alive(report["child"])
+        assert pid_alive(report["child"])
         deadline = time.monotonic() + 30
         while not Path(f"{fake_vllm}.burnt").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     assert server.proc is not None and server.proc.returncode is not None
     deadline = time.monotonic() + 5
-    while _alive(report["child"]) and time.monotonic() < deadline:
+    while pid_alive(report["child"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(report["child"])  # the engine core stand-in went with the group
+    assert not pid_alive(report["child"])  # the engine core stand-in went with the group
     assert _children_cpu_s() - cpu0 >= 1.0
 
 
