@@ -203,15 +203,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def other_cpu_load(seconds: float = 1.0) -> float:
     """Cores used by other processes while we sleep for `seconds`."""
     mon = CpuMonitor().start()

@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 from benchmarks import serving  # noqa: E402
-from benchmarks.common import descendants, pid_alive  # noqa: E402
+from benchmarks.common import descendants  # noqa: E402
+from processes import pid_alive  # noqa: E402
 from benchmarks.serving_floor import FloorServer  # noqa: E402
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks import vllm_peer as peer  # noqa: E402
-from benchmarks.common import pid_alive  # noqa: E402
+from processes import pid_alive  # noqa: E402
 from splitserve.api.serve import DEFAULT_MODEL_NAME  # noqa: E402
 from splitserve.bench.errors import BenchSetupError  # noqa: E402
 from splitserve.config import ServeConfig  # noqa: E402
