@@ -37,8 +37,8 @@ from splitserve.api.request_id import current_request_id, install_request_id_fil
 from splitserve.api.response_builder import ChatBuilder, CompletionBuilder, ResponseBuilder
 from splitserve.api.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                     ModelList, StreamOptions)
-from splitserve.api.streaming import (EventStreamResponse, close_iterator, prepend,
-                                      sse_events, until_disconnect)
+from splitserve.api.streaming import (DisconnectWatch, EventStreamResponse, close_iterator,
+                                      prepend, sse_events)
 from splitserve.cluster.frontend.stream import GenerateRequest, StreamDelta
 from splitserve.config import HttpConfig
 
@@ -165,16 +165,19 @@ class OpenAIRoutes:
                      request.url.path, len(generate.prompt_token_ids),
                      generate.params.max_tokens, stream, generate.tenant)
         deltas = self.backend.generate(generate)
+        watch = DisconnectWatch(request.receive)  # the stream's response closes it
         try:
             if not stream:
-                await until_disconnect(request.receive, _add_all(deltas, builder))
+                await watch.run(_add_all(deltas, builder))
+                watch.close()
                 return Response(builder.response().model_dump_json(),
                                 media_type="application/json")
-            first = await until_disconnect(request.receive, _first(deltas))
+            first = await watch.run(_first(deltas))
         except BaseException:
+            watch.close()
             await close_iterator(deltas)
             raise
-        return EventStreamResponse(sse_events(prepend(first, deltas), builder))
+        return EventStreamResponse(sse_events(prepend(first, deltas), builder), watch)
 
 
 async def _add_all(deltas: AsyncIterator[StreamDelta], builder: ResponseBuilder) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from fake_backend import FakeBackend, wait_until
 from splitserve.api.errors import ClientDisconnected
-from splitserve.api.streaming import until_disconnect
+from splitserve.api.streaming import DisconnectWatch
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi!"}]
 
@@ -76,7 +76,7 @@ def test_completed_requests_are_not_aborted(client: openai.OpenAI, fake: FakeBac
     assert set(fake.outcomes.values()) == {"finished"}
 
 
-# ---- until_disconnect on its own ----------------------------------------------------------
+# ---- DisconnectWatch on its own ------------------------------------------------------------
 
 class _Receive:
     """An ASGI receive whose http.disconnect arrives when `leave` is set."""
@@ -98,13 +98,17 @@ async def _slow(log: list[str]) -> AsyncIterator[int]:
         log.append("closed")
 
 
-def test_until_disconnect_returns_the_result_when_the_client_stays() -> None:
-    async def main() -> int:
-        return await until_disconnect(_Receive(), asyncio.sleep(0, result=7))
-    assert asyncio.run(main()) == 7
+def test_a_watch_returns_each_result_while_the_client_stays() -> None:
+    async def main() -> list[int]:
+        watch = DisconnectWatch(_Receive())
+        results = [await watch.run(asyncio.sleep(0, result=7)),
+                   await watch.run(asyncio.sleep(0.01, result=8))]
+        watch.close()
+        return results
+    assert asyncio.run(main()) == [7, 8]
 
 
-def test_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
+def test_a_watch_cancels_the_work_when_the_client_leaves() -> None:
     log: list[str] = []
 
     async def main() -> None:
@@ -114,9 +118,59 @@ def test_until_disconnect_cancels_the_work_when_the_client_leaves() -> None:
         async def read_all() -> list[int]:
             return [d async for d in deltas]
 
+        watch = DisconnectWatch(receive)
         asyncio.get_running_loop().call_later(0.05, receive.leave.set)
         with pytest.raises(ClientDisconnected):
-            await until_disconnect(receive, read_all())
+            await watch.run(read_all())
+        # the caller's task is not left cancelled: it goes on (its cleanup awaits)
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        await asyncio.sleep(0)
 
     asyncio.run(main())
     assert log == ["closed"]
+
+
+def test_a_client_gone_between_two_waits_stops_the_second_before_it_starts() -> None:
+    async def main() -> None:
+        receive = _Receive()
+        watch = DisconnectWatch(receive)
+        assert await watch.run(asyncio.sleep(0, result=1)) == 1
+        receive.leave.set()
+        await asyncio.sleep(0.01)  # the disconnect arrives while nothing is running
+        started = []
+
+        async def work() -> None:
+            started.append(True)
+        with pytest.raises(ClientDisconnected):
+            await watch.run(work())
+        assert not started
+
+    asyncio.run(main())
+
+
+def test_a_cancellation_from_elsewhere_is_not_taken_for_a_disconnect() -> None:
+    async def main(leave_too: bool) -> None:
+        receive = _Receive()
+        watch = DisconnectWatch(receive)
+        task = asyncio.ensure_future(watch.run(asyncio.sleep(10)))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the server shutting down, say
+        if leave_too:  # and the client leaving in the same turn of the loop
+            receive.leave.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        watch.close()
+
+    asyncio.run(main(leave_too=False))
+    asyncio.run(main(leave_too=True))
+
+
+def test_a_closed_watch_leaves_no_task_behind() -> None:
+    async def main() -> None:
+        watch = DisconnectWatch(_Receive())
+        await watch.run(asyncio.sleep(0))
+        watch.close()
+        await asyncio.sleep(0)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
