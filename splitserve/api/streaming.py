@@ -68,13 +68,16 @@ class DisconnectWatch:
         assert task is not None and self._running is None, "one run at a time, in a task"
         self._running, self._cancelled_it = task, False
         try:
-            return await work
+            result = await work
         except asyncio.CancelledError:
             if self._cancelled_it and task.uncancel() == 0:
                 raise _disconnected() from None
             raise
         finally:
             self._running = None
+        if self._cancelled_it:  # the work caught the cancellation and finished: take it back
+            task.uncancel()
+        return result
 
     def close(self) -> None:
         self._watcher.cancel()

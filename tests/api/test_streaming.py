@@ -165,6 +165,25 @@ def test_a_cancellation_from_elsewhere_is_not_taken_for_a_disconnect() -> None:
     asyncio.run(main(leave_too=True))
 
 
+def test_work_that_catches_the_cancellation_leaves_its_task_uncancelled() -> None:
+    async def main() -> tuple[str, int]:
+        receive = _Receive()
+        watch = DisconnectWatch(receive)
+
+        async def stubborn() -> str:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                return "finished anyway"
+            return "slept"
+        asyncio.get_running_loop().call_later(0.02, receive.leave.set)
+        result = await watch.run(stubborn())
+        watch.close()
+        return result, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+    assert asyncio.run(main()) == ("finished anyway", 0)
+
+
 def test_a_closed_watch_leaves_no_task_behind() -> None:
     async def main() -> None:
         watch = DisconnectWatch(_Receive())
